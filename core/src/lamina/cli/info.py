@@ -1,0 +1,135 @@
+"""``lamina info``: what is installed, what can run here, and why not."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lamina.errors import LaminaError
+from lamina.plugins import PluginRegistry
+
+#: Distributions whose versions ``lamina info`` reports (found without importing them).
+REPORTED_PACKAGES: tuple[str, ...] = (
+    "lamina-core",
+    "torch",
+    "pluggy",
+    "torch_xla",
+    "torch_npu",
+    "nvidia-ml-py",
+    "triton",
+)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def collect_info(registry: PluginRegistry) -> dict[str, Any]:
+    """The report as plain data (what ``--json`` prints)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    versions.update({name: _version(name) for name in REPORTED_PACKAGES})
+    plugins = [
+        {
+            "name": r.name,
+            "target": r.target,
+            "distribution": r.distribution,
+            "version": r.version,
+            "status": r.status,
+            "stage": r.stage,
+            "error": r.error,
+            "backends": list(r.backends),
+        }
+        for r in sorted(registry.records.values(), key=lambda r: r.name)
+    ]
+    backends = [
+        {
+            "name": name,
+            "plugin": entry.plugin,
+            "priority": entry.backend.priority,
+            "device_type": entry.backend.device_type,
+            "collective_backend": entry.backend.collective_backend,
+            "available": entry.availability.available,
+            "reason": entry.availability.reason,
+        }
+        for name, entry in sorted(registry.backends.items())
+    ]
+    report: dict[str, Any] = {
+        "versions": versions,
+        "plugins": plugins,
+        "backends": backends,
+        "selected_backend": None,
+        "selection_error": None,
+        "devices": None,
+        "topology": None,
+    }
+    try:
+        backend = registry.select_backend()
+    except LaminaError as exc:
+        report["selection_error"] = str(exc)
+        return report
+    report["selected_backend"] = backend.name
+    handle = backend.handle()
+    report["devices"] = {"type": backend.device_type, "count": handle.device_count()}
+    host = backend.discover_host_topology(0, 1)
+    report["topology"] = {
+        "host": host.host,
+        "numa_nodes": {str(k): v for k, v in sorted(host.numa_cpus.items())},
+        "local_links": len(host.local_links),
+        "fast_groups": [list(g) for g in host.fast_groups],
+        "notes": list(host.notes),
+    }
+    return report
+
+
+def render_info(report: dict[str, Any], console: Console) -> None:
+    """Print the report as readable tables."""
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v is not None)
+    console.print(f"[bold]lamina[/bold]  {versions}")
+
+    plugins = Table(title="plugins", title_justify="left")
+    for column in ("name", "distribution", "status", "backends", "error"):
+        plugins.add_column(column)
+    for p in report["plugins"]:
+        status = "[green]loaded[/green]" if p["status"] == "loaded" else "[red]failed[/red]"
+        error = f"{p['stage']}: {p['error']}" if p["error"] else ""
+        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else p["target"]
+        plugins.add_row(p["name"], dist, status, ", ".join(p["backends"]), error)
+    console.print(plugins)
+
+    backends = Table(title="backends", title_justify="left")
+    for column in ("backend", "priority", "device", "collectives", "status"):
+        backends.add_column(column)
+    for b in report["backends"]:
+        mark = "*" if b["name"] == report["selected_backend"] else ""
+        state = "available" if b["available"] else "unavailable"
+        status = f"{state} — {b['reason']}" if b["reason"] else state
+        style = "green" if b["available"] else "yellow"
+        backends.add_row(
+            b["name"] + mark,
+            str(b["priority"]),
+            b["device_type"],
+            b["collective_backend"],
+            f"[{style}]{status}[/{style}]",
+        )
+    console.print(backends)
+
+    if report["selection_error"]:
+        console.print(f"[red]no backend selected:[/red] {report['selection_error']}")
+        return
+    devices = report["devices"]
+    console.print(
+        f"selected backend: [bold]{report['selected_backend']}[/bold] "
+        f"({devices['count']} {devices['type']} device(s))"
+    )
+    topo = report["topology"]
+    numa = ", ".join(f"node{k}: {v}" for k, v in topo["numa_nodes"].items()) or "none reported"
+    console.print(f"host {topo['host']}: NUMA {numa}; {topo['local_links']} local link(s)")
+    for note in topo["notes"]:
+        console.print(f"  note: {note}")

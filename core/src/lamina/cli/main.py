@@ -1,0 +1,51 @@
+"""The ``lamina`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from lamina.errors import LaminaError
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from lamina.cli.info import collect_info, render_info
+    from lamina.plugins import get_registry
+
+    report = collect_info(get_registry())
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        render_info(report, Console())
+    return 0 if report["selected_backend"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every ``lamina`` subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="lamina", description="Portable, static-graph distributed training for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="installed plugins, backends, devices and topology")
+    info.add_argument("--json", action="store_true", help="print the report as JSON")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lamina`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except LaminaError as exc:
+        print(f"lamina: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

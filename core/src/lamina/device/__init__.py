@@ -1,0 +1,1 @@
+"""Layer 5, the device layer: DeviceHandle, Backend, KernelLauncher, Topology, DeviceMesh."""

@@ -1,0 +1,149 @@
+"""DeviceMesh v2: torch's DeviceMesh with named axes, shaped by the topology.
+
+Vocabulary: a mesh *axis* is one dimension of the rank grid (``"inter"``, ``"intra"``,
+``"dp"``); tensor dimensions are called *dims* elsewhere. The innermost axis groups
+ranks joined by fast links, so collectives along it stay inside a fast domain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.device_mesh import init_device_mesh
+
+from lamina.device.topology import Topology
+from lamina.errors import MeshError
+
+#: Axis names used when a mesh is factorized from a topology.
+TOPOLOGY_AXES: tuple[str, str] = ("inter", "intra")
+
+
+def factorize_topology(topology: Topology) -> list[list[int]]:
+    """The rank grid for ``topology``: one row per fast domain, rows ordered by lowest rank.
+
+    Every rank must sit in exactly one fast domain and all domains must have the same
+    size; otherwise :class:`MeshError` says which domain breaks the rule.
+    """
+    domains = topology.fast_domains
+    if not domains:
+        raise MeshError(
+            "topology declares no fast domains; add 'fast_domains' to the topology file "
+            "or build the mesh from a shape"
+        )
+    sizes = {d.name: len(d.ranks) for d in domains}
+    if len(set(sizes.values())) != 1:
+        raise MeshError(
+            f"fast domains have different sizes {sizes}; a 2-D mesh needs equal domains, "
+            "build the mesh from a shape instead"
+        )
+    covered = sorted(r for d in domains for r in d.ranks)
+    if covered != list(range(topology.world_size)):
+        missing = sorted(set(range(topology.world_size)) - set(covered))
+        raise MeshError(
+            f"fast domains do not cover every rank exactly once (missing {missing}); "
+            "fix 'fast_domains' in the topology"
+        )
+    rows = [sorted(d.ranks) for d in domains]
+    return sorted(rows, key=lambda row: row[0])
+
+
+class DeviceMesh:
+    """A named grid of ranks with one process group per axis, built on torch's DeviceMesh."""
+
+    def __init__(self, torch_mesh: TorchDeviceMesh, topology: Topology | None = None) -> None:
+        self.torch_mesh = torch_mesh
+        self.topology = topology
+
+    @classmethod
+    def from_shape(
+        cls,
+        device_type: str,
+        shape: Sequence[int],
+        axis_names: Sequence[str],
+        topology: Topology | None = None,
+    ) -> DeviceMesh:
+        """A mesh of the given ``shape`` over ranks in order (``torch`` ``init_device_mesh``)."""
+        _check_shape(shape, axis_names, dist.get_world_size())
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
+        return cls(mesh, topology)
+
+    @classmethod
+    def from_topology(
+        cls,
+        device_type: str,
+        topology: Topology,
+        axis_names: tuple[str, str] = TOPOLOGY_AXES,
+    ) -> DeviceMesh:
+        """A 2-D mesh (domains x ranks per domain): the inner axis stays in a fast domain."""
+        world = dist.get_world_size()
+        if topology.world_size != world:
+            raise MeshError(
+                f"topology has {topology.world_size} ranks but the job has {world}; "
+                "use a topology that matches WORLD_SIZE"
+            )
+        grid = torch.tensor(factorize_topology(topology), dtype=torch.int)
+        return cls(TorchDeviceMesh(device_type, grid, mesh_dim_names=tuple(axis_names)), topology)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """Names of the axes, outermost first."""
+        return tuple(self.torch_mesh.mesh_dim_names or ())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Size of each axis."""
+        return tuple(self.torch_mesh.mesh.shape)
+
+    def size(self, axis: str | int | None = None) -> int:
+        """Ranks along ``axis``, or in the whole mesh when ``axis`` is None."""
+        if axis is None:
+            return math.prod(self.shape)
+        return self.shape[self._axis_index(axis)]
+
+    def group(self, axis: str | int) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis``."""
+        return self.torch_mesh.get_group(self._axis_index(axis))
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's position on every axis."""
+        coords: Sequence[int] = self.torch_mesh.get_coordinate() or ()
+        return dict(zip(self.axis_names, coords, strict=True))
+
+    def ranks(self) -> list[list[int]] | list[int]:
+        """The rank grid as nested lists."""
+        grid: list[list[int]] | list[int] = self.torch_mesh.mesh.tolist()
+        return grid
+
+    def _axis_index(self, axis: str | int) -> int:
+        if isinstance(axis, int):
+            if not 0 <= axis < len(self.shape):
+                raise MeshError(f"mesh axis {axis} out of range for shape {self.shape}")
+            return axis
+        if axis not in self.axis_names:
+            raise MeshError(f"unknown mesh axis {axis!r}; axes are {list(self.axis_names)}")
+        return self.axis_names.index(axis)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
+        return f"DeviceMesh({self.torch_mesh.device_type}: {axes})"
+
+
+def _check_shape(shape: Sequence[int], axis_names: Sequence[str], world_size: int) -> None:
+    if len(shape) != len(axis_names):
+        raise MeshError(
+            f"mesh shape {tuple(shape)} has {len(shape)} axes but {len(axis_names)} names "
+            f"{tuple(axis_names)}; give one name per axis"
+        )
+    if len(set(axis_names)) != len(axis_names):
+        raise MeshError(f"mesh axis names {tuple(axis_names)} repeat; make them unique")
+    if any(s < 1 for s in shape):
+        raise MeshError(f"mesh shape {tuple(shape)} has an axis smaller than 1")
+    if math.prod(shape) != world_size:
+        raise MeshError(
+            f"mesh shape {tuple(shape)} holds {math.prod(shape)} ranks but the world size is "
+            f"{world_size}; pick a shape whose product is {world_size}"
+        )

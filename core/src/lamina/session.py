@@ -1,0 +1,263 @@
+"""``lamina.init()``: from the torchrun environment to a ready runtime in one call."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import HashStore  # type: ignore[attr-defined]
+
+from lamina.device.backend import Backend
+from lamina.device.handle import DeviceHandle
+from lamina.device.kernels import KernelLauncher
+from lamina.device.mesh import DeviceMesh
+from lamina.device.topology import HostTopology, Topology, merge_host_topologies
+from lamina.device.topology_file import load_topology
+from lamina.errors import ConfigError
+from lamina.plugins import PluginRegistry, get_registry
+
+#: Environment variable naming a declared topology file that replaces discovery.
+TOPOLOGY_ENV = "LAMINA_TOPOLOGY"
+
+MeshSpec = Literal["flat", "topology"] | tuple[tuple[int, ...], tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from the torchrun environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
+        """Read RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE; none set means one process."""
+        env = dict(os.environ if environ is None else environ)
+        if "RANK" not in env and "WORLD_SIZE" not in env:
+            return cls(0, 1, 0, 1)
+        for required in ("RANK", "WORLD_SIZE"):
+            if required not in env:
+                other = "WORLD_SIZE" if required == "RANK" else "RANK"
+                raise ConfigError(
+                    f"{other} is set but {required} is not; launch with torchrun "
+                    f"(or `lamina run`) or unset {other}"
+                )
+        rank = _env_int(env, "RANK", 0)
+        world = _env_int(env, "WORLD_SIZE", 1)
+        local_rank = _env_int(env, "LOCAL_RANK", 0)
+        local_world = _env_int(env, "LOCAL_WORLD_SIZE", 1)
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(
+                f"RANK={rank} is outside WORLD_SIZE={world}; RANK must be in 0..WORLD_SIZE-1"
+            )
+        if not 0 <= local_rank < max(local_world, 1):
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}; "
+                "check the launcher's --nproc-per-node"
+            )
+        return cls(rank, world, local_rank, local_world)
+
+
+def _env_int(env: dict[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+@dataclass
+class Runtime:
+    """The initialized job as this process sees it; returned by :func:`init`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: Backend
+    handle: DeviceHandle
+    device: torch.device
+    topology: Topology
+    mesh: DeviceMesh
+    kernels: KernelLauncher
+    plugins: PluginRegistry
+    owns_process_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    def shutdown(self) -> None:
+        """Destroy the process group lamina created; safe to call twice."""
+        shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+_RUNTIME: Runtime | None = None
+
+
+def init(
+    backend: str | None = None,
+    *,
+    topology: str | Path | Topology | None = None,
+    mesh: MeshSpec = "flat",
+    timeout: timedelta = timedelta(minutes=10),
+) -> Runtime:
+    """Join the job (torchrun environment, or a single process) and return the runtime.
+
+    Picks the backend (``backend``, else ``$LAMINA_BACKEND``, else the best available),
+    initializes torch.distributed with the backend's collective backend (reusing a
+    process group the caller already created), sets this rank's device, builds the
+    global topology (declared file from ``topology`` / ``$LAMINA_TOPOLOGY``, else
+    discovered per rank and merged) and the device mesh: ``"flat"`` (one axis ``dp``),
+    ``"topology"`` (``inter`` x ``intra`` from fast domains) or ``(shape, axis_names)``.
+    Calling it again returns the same runtime.
+    """
+    global _RUNTIME
+    if _RUNTIME is not None:
+        if backend is not None and backend != _RUNTIME.backend.name:
+            raise ConfigError(
+                f"lamina is already initialized with backend {_RUNTIME.backend.name!r}; "
+                f"call lamina.shutdown() before init(backend={backend!r})"
+            )
+        return _RUNTIME
+    launch = LaunchEnv.from_environ()
+    plugins = get_registry()
+    chosen = plugins.select_backend(backend)
+    handle = chosen.handle()
+    device = handle.device_for_local_rank(launch.local_rank)
+    handle.set_device(device)
+    owns = _init_process_group(chosen, launch, device, timeout)
+    topo = _build_topology(topology, chosen, plugins, launch)
+    device_mesh = _build_mesh(mesh, chosen.device_type, topo)
+    _RUNTIME = Runtime(
+        launch.rank,
+        launch.world_size,
+        launch.local_rank,
+        launch.local_world_size,
+        chosen,
+        handle,
+        device,
+        topo,
+        device_mesh,
+        KernelLauncher(plugins.kernels, chosen.name),
+        plugins,
+        owns,
+    )
+    return _RUNTIME
+
+
+def shutdown() -> None:
+    """Tear down what :func:`init` created; a no-op when not initialized."""
+    global _RUNTIME
+    runtime, _RUNTIME = _RUNTIME, None
+    if runtime is not None and runtime.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def current() -> Runtime | None:
+    """The runtime :func:`init` returned, or None."""
+    return _RUNTIME
+
+
+def _init_process_group(
+    backend: Backend, launch: LaunchEnv, device: torch.device, timeout: timedelta
+) -> bool:
+    if dist.is_initialized():
+        if dist.get_world_size() != launch.world_size:
+            raise ConfigError(
+                f"an existing process group has world size {dist.get_world_size()} but "
+                f"WORLD_SIZE={launch.world_size}; destroy it or fix the environment"
+            )
+        return False
+    if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        store = HashStore()
+        dist.init_process_group(
+            backend.collective_backend, store=store, rank=0, world_size=1, timeout=timeout
+        )
+        return True
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ConfigError(
+                f"{name} is not set for a {launch.world_size}-rank job; launch with torchrun "
+                "(or `lamina run`), which sets it"
+            )
+    dist.init_process_group(
+        backend.collective_backend,
+        init_method="env://",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+    )
+    return True
+
+
+def _build_topology(
+    declared: str | Path | Topology | None,
+    backend: Backend,
+    plugins: PluginRegistry,
+    launch: LaunchEnv,
+) -> Topology:
+    source = declared if declared is not None else os.environ.get(TOPOLOGY_ENV) or None
+    if isinstance(source, Topology):
+        topo = source
+    elif source is not None:
+        topo = load_topology(source)
+    else:
+        piece = _discover_host(backend, plugins, launch)
+        pieces: list[HostTopology | None] = [None] * launch.world_size
+        dist.all_gather_object(pieces, piece)
+        return merge_host_topologies([p for p in pieces if p is not None])
+    if topo.world_size != launch.world_size:
+        raise ConfigError(
+            f"topology {source} declares {topo.world_size} ranks but WORLD_SIZE is "
+            f"{launch.world_size}; use a topology file for this job size"
+        )
+    return topo
+
+
+def _discover_host(backend: Backend, plugins: PluginRegistry, launch: LaunchEnv) -> HostTopology:
+    answers = plugins.call_isolated(
+        "lamina_discover_topology",
+        backend=backend,
+        local_rank=launch.local_rank,
+        local_world_size=launch.local_world_size,
+    )
+    for _plugin, answer in answers:
+        if isinstance(answer, HostTopology):
+            return answer
+    return backend.discover_host_topology(launch.local_rank, launch.local_world_size)
+
+
+def _build_mesh(spec: MeshSpec, device_type: str, topology: Topology) -> DeviceMesh:
+    if spec == "flat":
+        return DeviceMesh.from_shape(device_type, (topology.world_size,), ("dp",), topology)
+    if spec == "topology":
+        return DeviceMesh.from_topology(device_type, topology)
+    if isinstance(spec, tuple) and len(spec) == 2:
+        shape, names = spec
+        return DeviceMesh.from_shape(device_type, shape, names, topology)
+    raise ConfigError(
+        f"mesh={spec!r} is not understood; use 'flat', 'topology' or (shape, axis_names)"
+    )

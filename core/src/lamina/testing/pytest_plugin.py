@@ -1,0 +1,60 @@
+"""pytest plugin of the conformance kit: backend fixtures and ``--lamina-backend``.
+
+Registered through the ``pytest11`` entry point, so it is active wherever lamina-core
+is installed. It imports lamina only when a test asks for a lamina fixture.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from lamina.device.backend import Backend
+    from lamina.device.handle import DeviceHandle
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add ``--lamina-backend NAME`` (repeatable) to restrict the conformance kit."""
+    group = parser.getgroup("lamina", "lamina conformance kit")
+    group.addoption(
+        "--lamina-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run lamina backend tests only for this installed backend (repeatable)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``lamina_backend_name`` over the requested or installed backends."""
+    if "lamina_backend_name" not in metafunc.fixturenames:
+        return
+    from lamina.plugins import get_registry
+
+    requested: list[str] = metafunc.config.getoption("lamina_backend")
+    restricted = getattr(metafunc.cls, "backends", None)
+    names = requested or restricted or sorted(get_registry().backends)
+    if restricted and requested:
+        names = [n for n in requested if n in restricted]
+    metafunc.parametrize("lamina_backend_name", names, ids=names)
+
+
+@pytest.fixture
+def lamina_backend(lamina_backend_name: str) -> Backend:
+    """The installed backend under test; skips with the backend's reason when unavailable."""
+    from lamina.plugins import get_registry
+
+    registry = get_registry()
+    backend = registry.backend(lamina_backend_name)
+    availability = registry.backends[backend.name].availability
+    if not availability.available:
+        pytest.skip(f"{backend.name} unavailable: {availability.reason}")
+    return backend
+
+
+@pytest.fixture
+def lamina_handle(lamina_backend: Backend) -> DeviceHandle:
+    """The DeviceHandle of the backend under test."""
+    return lamina_backend.handle()

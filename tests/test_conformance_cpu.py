@@ -1,0 +1,7 @@
+"""The conformance kit run against the CPU reference backend."""
+
+from lamina.testing.conformance import BackendConformance
+
+
+class TestCpuConformance(BackendConformance):
+    backends = ("cpu",)

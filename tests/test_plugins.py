@@ -1,0 +1,175 @@
+"""Plugin discovery: isolation of broken plugins, backend choice and its errors."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from lamina.backends.cpu import CpuBackend
+from lamina.device.backend import Availability, Backend
+from lamina.errors import BackendNotFoundError, BackendUnavailableError
+from lamina.hookspecs import hookimpl
+from lamina.plugins import load_plugins
+
+
+def _install_fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
+    """A real installed distribution on ``site``: a module plus dist-info with entry points."""
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[lamina]\n{dist} = {module}\n")
+
+
+@pytest.fixture
+def broken_site(tmp_path: Path) -> Path:
+    _install_fake_distribution(
+        tmp_path,
+        "lamina-broken-import",
+        "lamina_broken_import",
+        'raise RuntimeError("vendor runtime exploded on import")\n',
+    )
+    _install_fake_distribution(
+        tmp_path,
+        "lamina-broken-hook",
+        "lamina_broken_hook",
+        """
+        from lamina.hookspecs import hookimpl
+
+        @hookimpl
+        def lamina_register_backends():
+            raise OSError("libvendor.so: cannot open shared object file")
+        """,
+    )
+    _install_fake_distribution(
+        tmp_path,
+        "lamina-bad-hookname",
+        "lamina_bad_hookname",
+        """
+        from lamina.hookspecs import hookimpl
+
+        @hookimpl
+        def lamina_register_backend():  # misspelt: no such hook
+            return []
+        """,
+    )
+    return tmp_path
+
+
+def test_broken_plugins_are_listed_and_cpu_still_works(broken_site: Path) -> None:
+    result = run_cli("info", "--json", env={"PYTHONPATH": str(broken_site)})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert plugins["lamina-broken-import"]["status"] == "failed"
+    assert plugins["lamina-broken-import"]["stage"] == "import"
+    assert "vendor runtime exploded on import" in plugins["lamina-broken-import"]["error"]
+    assert plugins["lamina-broken-hook"]["stage"] == "hook lamina_register_backends"
+    assert "libvendor.so" in plugins["lamina-broken-hook"]["error"]
+    assert plugins["lamina-bad-hookname"]["stage"] == "validation"
+    assert "lamina_register_backend" in plugins["lamina-bad-hookname"]["error"]
+    assert plugins["cpu"]["status"] == "loaded"
+    assert report["selected_backend"] == "cpu"
+    assert {b["name"]: b["available"] for b in report["backends"]} == {"cpu": True}
+
+
+def test_info_table_shows_failed_plugin(broken_site: Path) -> None:
+    result = run_cli("info", env={"PYTHONPATH": str(broken_site), "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "failed" in result.stdout and "vendor runtime exploded" in result.stdout
+    assert "selected backend: cpu" in result.stdout
+
+
+class TwinCpuBackend(CpuBackend):
+    """A second, real CPU backend under another name and a higher priority."""
+
+    name = "cpu-twin"
+    priority = 10
+
+
+class MissingDeviceBackend(CpuBackend):
+    name = "nodevice"
+    priority = 20
+
+    def availability(self) -> Availability:
+        return Availability.no("no nodevice driver found; install the nodevice runtime")
+
+
+class ExtraBackends:
+    @hookimpl
+    def lamina_register_backends(self) -> list[Backend]:
+        return [TwinCpuBackend(), MissingDeviceBackend()]
+
+
+def test_highest_priority_available_backend_wins() -> None:
+    registry = load_plugins(extra=[("extra", ExtraBackends())])
+    assert registry.select_backend().name == "cpu-twin"
+
+
+def test_lamina_backend_env_overrides_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = load_plugins(extra=[("extra", ExtraBackends())])
+    monkeypatch.setenv("LAMINA_BACKEND", "cpu")
+    assert registry.select_backend().name == "cpu"
+
+
+def test_unknown_backend_name_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = load_plugins(extra=[("extra", ExtraBackends())])
+    monkeypatch.setenv("LAMINA_BACKEND", "tpu9000")
+    with pytest.raises(BackendNotFoundError) as info:
+        registry.select_backend()
+    message = str(info.value)
+    assert "'tpu9000'" in message
+    assert "cpu, cpu-twin, nodevice" in message
+    assert "\n" not in message
+
+
+def test_unavailable_backend_by_name_gives_its_reason() -> None:
+    registry = load_plugins(extra=[("extra", ExtraBackends())])
+    with pytest.raises(BackendUnavailableError, match="install the nodevice runtime"):
+        registry.select_backend("nodevice")
+
+
+def test_cli_reports_unknown_backend_in_one_line() -> None:
+    result = run_cli("info", env={"LAMINA_BACKEND": "nope", "COLUMNS": "200"})
+    assert result.returncode == 1
+    assert "unknown backend 'nope'; installed backends: cpu" in result.stdout.replace("\n", " ")
+
+
+def test_duplicate_backend_name_is_a_recorded_conflict() -> None:
+    class Clash:
+        @hookimpl
+        def lamina_register_backends(self) -> list[Backend]:
+            return [CpuBackend()]
+
+    registry = load_plugins(extra=[("clash", Clash())])
+    assert registry.backends["cpu"].plugin == "cpu"
+    assert registry.records["clash"].status == "failed"
+    assert "already provided" in (registry.records["clash"].error or "")
+
+
+def test_plugin_returning_wrong_type_is_failed() -> None:
+    class Wrong:
+        @hookimpl
+        def lamina_register_backends(self) -> list[object]:
+            return ["cuda"]
+
+    registry = load_plugins(extra=[("wrong", Wrong())])
+    assert registry.records["wrong"].status == "failed"
+    assert "Backend instances" in (registry.records["wrong"].error or "")
+    assert registry.select_backend().name == "cpu"
+
+
+def test_kernel_hook_failure_keeps_builtin_kernels() -> None:
+    class BadKernels:
+        @hookimpl
+        def lamina_register_kernels(self, registry: object) -> None:
+            raise RuntimeError("triton missing")
+
+    registry = load_plugins(extra=[("badk", BadKernels())])
+    assert registry.records["badk"].stage == "hook lamina_register_kernels"
+    assert {"pack_bucket", "unpack_bucket", "scale_accumulate"} <= set(registry.kernels.names())
+    assert registry.kernels.backends_for("pack_bucket") == ["cpu"]
