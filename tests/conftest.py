@@ -19,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _isolated_lamina(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts without a runtime, launcher variables or lamina overrides."""
+    """Each test starts without a runtime or launcher variables, on the cpu backend.
+
+    Core tests pin ``LAMINA_BACKEND=cpu`` so that they mean the same thing in every nox
+    session, whatever accelerator backend is installed beside core.
+    """
     for name in (
         BACKEND_ENV,
         TOPOLOGY_ENV,
@@ -31,6 +35,7 @@ def _isolated_lamina(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "MASTER_PORT",
     ):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(BACKEND_ENV, "cpu")
     lamina.shutdown()
     yield
     lamina.shutdown()
