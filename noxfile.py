@@ -1,11 +1,13 @@
 """The cross-backend matrix. `nox` with no arguments runs what CI runs.
 
 Each backend session gets its own torch build, because one torch build carries one
-accelerator. Sessions: lint (ruff), typecheck (mypy on core), tests(<backend>), smoke
-(the README's main job: `lamina info` and a 2-rank run under torchrun).
+accelerator (torch_npu refuses a CUDA build, torch_xla needs its own torch release).
+Sessions: lint (ruff), typecheck (mypy), tests(<backend>), smoke (the README's main job).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import nox
 
@@ -13,57 +15,77 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 
-#: The torch build each backend session installs (one accelerator per torch build).
-TORCH_FOR_BACKEND = {
-    "cpu": ["torch==2.13.0"],
+
+@dataclass(frozen=True)
+class BackendSession:
+    """What one backend's test session installs, sets and runs."""
+
+    #: The torch build (and vendor runtime) for this accelerator, pinned.
+    torch: list[str]
+    #: Backend and plugin packages installed editable beside core.
+    packages: list[str] = field(default_factory=list)
+    #: Test paths beyond the core suite in tests/.
+    test_paths: list[str] = field(default_factory=list)
+    #: Environment for the tests.
+    env: dict[str, str] = field(default_factory=dict)
+
+
+BACKENDS: dict[str, BackendSession] = {
+    "cpu": BackendSession(
+        torch=["torch==2.13.0"],
+        packages=["plugins/template_backend"],
+        test_paths=["plugins/template_backend/tests"],
+    ),
 }
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
+#: Every package whose sources mypy checks (core and each backend).
+TYPED_PACKAGES = ["core", "plugins/template_backend"]
 
 
-def install_core(session: nox.Session, backend: str) -> None:
-    """torch for ``backend`` first (pinned), then lamina-core editable with test extras."""
-    session.install(*TORCH_FOR_BACKEND[backend])
+def install_for(session: nox.Session, spec: BackendSession) -> None:
+    """torch for the backend first (pinned), then core and the backend packages editable."""
+    session.install(*spec.torch)
     session.install("-e", "core[test]")
+    for package in spec.packages:
+        session.install("-e", package)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff: lint and formatting."""
-    session.install(*TOOLS[:1])
+    session.install(TOOLS[0])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on the core package."""
-    install_core(session, "cpu")
-    session.install(*TOOLS[1:])
-    session.run("mypy")
+    """mypy --strict on core and every backend package."""
+    install_for(session, BACKENDS["cpu"])
+    session.install(TOOLS[1])
+    session.run("mypy", *[f"{p}/src" for p in TYPED_PACKAGES])
 
 
 @nox.session
-@nox.parametrize("backend", list(TORCH_FOR_BACKEND), ids=list(TORCH_FOR_BACKEND))
+@nox.parametrize("backend", list(BACKENDS), ids=list(BACKENDS))
 def tests(session: nox.Session, backend: str) -> None:
-    """Unit, multi-process (gloo) and conformance tests with ``backend``'s torch build."""
-    install_core(session, backend)
-    session.run("lamina", "info")
-    session.run("pytest", "-ra", "--durations=10", *session.posargs)
+    """Core suite plus the backend's own tests, with that backend's torch build."""
+    spec = BACKENDS[backend]
+    install_for(session, spec)
+    session.run("lamina", "info", env=spec.env)
+    session.run(
+        "pytest", "-ra", "--durations=10", "tests", *spec.test_paths, *session.posargs,
+        env=spec.env,
+    )
 
 
 @nox.session
 def smoke(session: nox.Session) -> None:
     """The main job until the training engine lands: `lamina info` and a 2-rank run."""
-    install_core(session, "cpu")
+    install_for(session, BACKENDS["cpu"])
     session.run("lamina", "info")
     session.run(
-        "python",
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "examples/smoke_allreduce.py",
-        *session.posargs,
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "examples/smoke_allreduce.py", *session.posargs,
     )

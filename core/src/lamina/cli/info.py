@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lamina.device.backend import Backend
 from lamina.errors import LaminaError
 from lamina.plugins import PluginRegistry
 
@@ -29,6 +30,13 @@ def _version(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
+
+
+def _vendor_versions(backend: Backend) -> dict[str, str]:
+    try:
+        return dict(backend.vendor_versions())
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def collect_info(registry: PluginRegistry) -> dict[str, Any]:
@@ -57,6 +65,7 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
             "collective_backend": entry.backend.collective_backend,
             "available": entry.availability.available,
             "reason": entry.availability.reason,
+            "vendor_versions": _vendor_versions(entry.backend),
         }
         for name, entry in sorted(registry.backends.items())
     ]
@@ -104,7 +113,7 @@ def render_info(report: dict[str, Any], console: Console) -> None:
     console.print(plugins)
 
     backends = Table(title="backends", title_justify="left")
-    for column in ("backend", "priority", "device", "collectives", "status"):
+    for column in ("backend", "priority", "device", "collectives", "vendor", "status"):
         backends.add_column(column)
     for b in report["backends"]:
         mark = "*" if b["name"] == report["selected_backend"] else ""
@@ -116,6 +125,7 @@ def render_info(report: dict[str, Any], console: Console) -> None:
             str(b["priority"]),
             b["device_type"],
             b["collective_backend"],
+            ", ".join(f"{k} {v}" for k, v in b["vendor_versions"].items()),
             f"[{style}]{status}[/{style}]",
         )
     console.print(backends)
