@@ -36,11 +36,25 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["plugins/template_backend"],
         test_paths=["plugins/template_backend/tests"],
     ),
+    # CUDA build of torch (brings triton); runs everything that needs no GPU here and the
+    # whole backend suite (conformance, Triton kernels, live NVML) on a GPU machine.
+    "cuda": BackendSession(
+        torch=["torch==2.14.1"],
+        packages=["backends/cuda[triton,test]"],
+        test_paths=["backends/cuda/tests"],
+    ),
+    # torch_npu beside the CPU torch: without the CANN toolkit this proves the unavailable
+    # path end to end (import torch still works, `lamina info` names libhccl.so).
+    "npu": BackendSession(
+        torch=["torch==2.13.0", "torch_npu==2.13.0"],
+        packages=["backends/npu"],
+        test_paths=["backends/npu/tests"],
+    ),
 }
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
 #: Every package whose sources mypy checks (core and each backend).
-TYPED_PACKAGES = ["core", "plugins/template_backend"]
+TYPED_PACKAGES = ["core", "backends/cuda", "backends/npu", "plugins/template_backend"]
 
 
 def install_for(session: nox.Session, spec: BackendSession) -> None:

@@ -1,20 +1,14 @@
-"""Shared fixtures: a clean lamina runtime per test and helpers to run the CLI."""
+"""Shared fixture: a clean lamina runtime per test, on the cpu backend."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import lamina
 from lamina.plugins import BACKEND_ENV, get_registry
 from lamina.session import TOPOLOGY_ENV
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -40,18 +34,3 @@ def _isolated_lamina(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     lamina.shutdown()
     get_registry(reload=True)
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m lamina.cli.main ARGS`` in a fresh interpreter."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "lamina.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        check=False,
-    )

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from lamina.backends.cpu import CpuBackend
 from lamina.device.backend import Availability, Backend
 from lamina.errors import BackendNotFoundError, BackendUnavailableError
 from lamina.hookspecs import hookimpl
 from lamina.plugins import load_plugins
+from lamina.testing.cli import run_lamina
 
 
 def _install_fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
@@ -61,7 +61,7 @@ def broken_site(tmp_path: Path) -> Path:
 
 
 def test_broken_plugins_are_listed_and_cpu_still_works(broken_site: Path) -> None:
-    result = run_cli("info", "--json", env={"PYTHONPATH": str(broken_site)})
+    result = run_lamina("info", "--json", env={"PYTHONPATH": str(broken_site)})
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     plugins = {p["name"]: p for p in report["plugins"]}
@@ -78,7 +78,7 @@ def test_broken_plugins_are_listed_and_cpu_still_works(broken_site: Path) -> Non
 
 
 def test_info_table_shows_failed_plugin(broken_site: Path) -> None:
-    result = run_cli("info", env={"PYTHONPATH": str(broken_site), "COLUMNS": "200"})
+    result = run_lamina("info", env={"PYTHONPATH": str(broken_site), "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     assert "failed" in result.stdout and "vendor runtime exploded" in result.stdout
     assert "selected backend: cpu" in result.stdout
@@ -136,7 +136,7 @@ def test_unavailable_backend_by_name_gives_its_reason() -> None:
 
 
 def test_cli_reports_unknown_backend_in_one_line() -> None:
-    result = run_cli("info", env={"LAMINA_BACKEND": "nope", "COLUMNS": "200"})
+    result = run_lamina("info", env={"LAMINA_BACKEND": "nope", "COLUMNS": "200"})
     assert result.returncode == 1
     output = " ".join(result.stdout.split())
     assert "unknown backend 'nope'; installed backends:" in output and "cpu" in output

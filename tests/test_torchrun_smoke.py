@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from lamina.testing.cli import run_lamina
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
@@ -40,7 +43,7 @@ def test_smoke_script_runs_on_two_ranks_under_torchrun() -> None:
 def test_info_json_names_versions_devices_and_topology() -> None:
     import json
 
-    result = run_cli("info", "--json")
+    result = run_lamina("info", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["versions"]["torch"] and report["versions"]["lamina-core"] == "0.1.0"

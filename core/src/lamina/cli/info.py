@@ -112,23 +112,19 @@ def render_info(report: dict[str, Any], console: Console) -> None:
         plugins.add_row(p["name"], dist, status, ", ".join(p["backends"]), error)
     console.print(plugins)
 
-    backends = Table(title="backends", title_justify="left")
-    for column in ("backend", "priority", "device", "collectives", "vendor", "status"):
-        backends.add_column(column)
+    console.print("[bold]backends[/bold] (* = selected)")
     for b in report["backends"]:
         mark = "*" if b["name"] == report["selected_backend"] else ""
         state = "available" if b["available"] else "unavailable"
-        status = f"{state} — {b['reason']}" if b["reason"] else state
         style = "green" if b["available"] else "yellow"
-        backends.add_row(
-            b["name"] + mark,
-            str(b["priority"]),
-            b["device_type"],
-            b["collective_backend"],
-            ", ".join(f"{k} {v}" for k, v in b["vendor_versions"].items()),
-            f"[{style}]{status}[/{style}]",
+        reason = f" — {b['reason']}" if b["reason"] else ""
+        vendor = ", ".join(f"{k} {v}" for k, v in b["vendor_versions"].items())
+        console.print(
+            f"  {b['name']}{mark}: [{style}]{state}[/{style}]{reason}\n"
+            f"      priority {b['priority']}, device {b['device_type']}, "
+            f"collectives {b['collective_backend']}" + (f", {vendor}" if vendor else ""),
+            soft_wrap=True,
         )
-    console.print(backends)
 
     if report["selection_error"]:
         console.print(f"[red]no backend selected:[/red] {report['selection_error']}")

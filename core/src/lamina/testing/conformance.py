@@ -111,7 +111,9 @@ class BackendConformance:
 
     # -- registration ------------------------------------------------------------------
     def test_availability_states_reason(self, lamina_backend_name: str) -> None:
-        entry = get_registry().backends[lamina_backend_name]
+        entry = get_registry().backends.get(lamina_backend_name)
+        if entry is None:
+            pytest.skip(f"backend {lamina_backend_name!r} is not installed")
         assert isinstance(entry.availability, Availability)
         if not entry.availability.available:
             assert entry.availability.reason.strip(), "an unavailable backend must say why"

@@ -44,10 +44,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def lamina_backend(lamina_backend_name: str) -> Backend:
     """The installed backend under test; skips with the backend's reason when unavailable."""
+    from lamina.errors import BackendNotFoundError
     from lamina.plugins import get_registry
 
     registry = get_registry()
-    backend = registry.backend(lamina_backend_name)
+    try:
+        backend = registry.backend(lamina_backend_name)
+    except BackendNotFoundError as exc:
+        pytest.skip(str(exc))
     availability = registry.backends[backend.name].availability
     if not availability.available:
         pytest.skip(f"{backend.name} unavailable: {availability.reason}")

@@ -1,0 +1,168 @@
+"""DeviceHandle for NVIDIA GPUs: thin wrappers over ``torch.cuda`` streams, events and memory.
+
+Only imported once the backend said it is available (a CUDA build of torch that sees a
+device); nothing here re-implements what ``torch.cuda`` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream, torch_dtypes_by_name
+
+__all__ = ["FP8_MIN_CAPABILITY", "CudaEvent", "CudaHandle", "CudaStream"]
+
+#: Compute capability from which the device has FP8 (e4m3fn / e5m2) tensor-core support.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+# torch.cuda's Event/Stream constructors and query() carry no annotations in some releases.
+_new_event = cast("Callable[..., torch.cuda.Event]", torch.cuda.Event)
+_new_stream = cast("Callable[..., torch.cuda.Stream]", torch.cuda.Stream)
+
+
+def _query(raw: torch.cuda.Event | torch.cuda.Stream) -> bool:
+    return bool(cast(Any, raw).query())
+
+
+def _raw_stream(stream: Stream | None) -> torch.cuda.Stream | None:
+    if stream is None:
+        return None
+    if not isinstance(stream, CudaStream):
+        raise TypeError(f"the cuda backend needs a CudaStream, got {type(stream).__name__}")
+    return stream.raw
+
+
+class CudaEvent(Event):
+    """A ``torch.cuda.Event``."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.enable_timing = enable_timing
+        self.raw = _new_event(enable_timing=enable_timing)
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.raw.record(_raw_stream(stream))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        self.raw.wait(_raw_stream(stream))
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return _query(self.raw)
+
+    def elapsed_time(self, end: Event) -> float:
+        if not isinstance(end, CudaEvent):
+            raise TypeError(f"elapsed_time needs a CudaEvent, got {type(end).__name__}")
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("elapsed_time needs events created with enable_timing=True")
+        return float(self.raw.elapsed_time(end.raw))
+
+
+class CudaStream(Stream):
+    """A ``torch.cuda.Stream``; use ``torch.cuda.stream(s.raw)`` to queue work on it."""
+
+    def __init__(self, raw: torch.cuda.Stream) -> None:
+        self.raw = raw
+
+    @property
+    def device(self) -> torch.device:
+        """The device the stream belongs to."""
+        return torch.device(self.raw.device)
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return _query(self.raw)
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"wait_event needs a CudaEvent, got {type(event).__name__}")
+        self.raw.wait_event(event.raw)
+
+    def wait_stream(self, other: Stream) -> None:
+        raw = _raw_stream(other)
+        assert raw is not None
+        self.raw.wait_stream(raw)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else CudaEvent()
+        event.record(self)
+        return event
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CudaStream) and self.raw == other.raw
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+
+def _device(device: torch.device | int | None) -> torch.device | int | None:
+    if isinstance(device, torch.device) and device.type != "cuda":
+        raise ValueError(f"the cuda backend manages 'cuda' devices, not {device!r}")
+    return device
+
+
+class CudaHandle(DeviceHandle):
+    """DeviceHandle over ``torch.cuda``: caching-allocator memory figures, NCCL collectives."""
+
+    device_type = "cuda"
+    collective_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def current_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def set_device(self, device: torch.device | int) -> None:
+        torch.cuda.set_device(_device(device))
+
+    def memory_stats(self, device: torch.device | None = None) -> MemoryStats:
+        d = _device(device)
+        return MemoryStats(
+            allocated=torch.cuda.memory_allocated(d),
+            reserved=torch.cuda.memory_reserved(d),
+            peak=torch.cuda.max_memory_allocated(d),
+            scope="device",
+        )
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        torch.cuda.reset_peak_memory_stats(_device(device))
+
+    def new_stream(self, device: torch.device | None = None) -> Stream:
+        return CudaStream(_new_stream(device=_device(device)))
+
+    def current_stream(self, device: torch.device | None = None) -> Stream:
+        return CudaStream(torch.cuda.current_stream(_device(device)))
+
+    def new_event(self, enable_timing: bool = True) -> Event:
+        return CudaEvent(enable_timing)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        torch.cuda.synchronize(_device(device))
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generators of every visible GPU."""
+        torch.cuda.manual_seed_all(seed)
+
+    def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state(device if device is not None else "cuda")
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device | None = None) -> None:
+        torch.cuda.set_rng_state(state, device if device is not None else "cuda")
+
+    def supported_dtypes(self) -> frozenset[torch.dtype]:
+        """fp16; bf16 where torch says the GPU supports it; fp8 from compute capability 8.9."""
+        names = ["float16"]
+        if torch.cuda.is_bf16_supported():
+            names.append("bfloat16")
+        if torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY:
+            names += ["float8_e4m3fn", "float8_e5m2"]
+        return torch_dtypes_by_name(tuple(names))

@@ -1,0 +1,180 @@
+"""DeviceHandle for Ascend NPUs on ``torch.npu`` (registered by torch_npu).
+
+Everything here delegates to torch_npu: ``torch.npu.Stream`` / ``torch.npu.Event`` (ACL
+streams and events), the NPU caching allocator's counters, ``torch.npu.synchronize`` and
+the per-device generators. Only constructed after :meth:`NpuBackend.availability` has
+imported torch_npu successfully.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
+
+__all__ = ["FP8_MIN_SOC_VERSION", "NpuEvent", "NpuHandle", "NpuStream", "npu_runtime"]
+
+#: First SoC with FP8 compute: Ascend950 (torch_npu's ``SocVersion`` enum, NpuVariables.h).
+#: Ascend910 / 910B / 910_93 have no FP8 units; fp8 is reported only from this SoC on.
+FP8_MIN_SOC_VERSION = 260
+
+
+def npu_runtime() -> Any:
+    """``torch.npu`` after importing torch_npu (which registers it on torch)."""
+    importlib.import_module("torch_npu")
+    return torch.npu  # type: ignore[attr-defined]
+
+
+def _index(device: torch.device | int | None) -> int | None:
+    if device is None or isinstance(device, int):
+        return device
+    if device.type != "npu":
+        raise ValueError(f"the npu backend handles 'npu' devices, not {device!r}")
+    return device.index
+
+
+class NpuEvent(Event):
+    """A ``torch.npu.Event`` (an ACL event; timing when created with ``enable_timing``)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def record(self, stream: Stream | None = None) -> None:
+        self.raw.record(_raw_stream(stream))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        self.raw.wait(_raw_stream(stream))
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+    def elapsed_time(self, end: Event) -> float:
+        if not isinstance(end, NpuEvent):
+            raise TypeError(f"elapsed_time needs an NpuEvent, got {type(end).__name__}")
+        return float(self.raw.elapsed_time(end.raw))
+
+
+class NpuStream(Stream):
+    """A ``torch.npu.Stream`` (an ACL stream on one device)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, NpuEvent):
+            raise TypeError(f"wait_event needs an NpuEvent, got {type(event).__name__}")
+        self.raw.wait_event(event.raw)
+
+    def wait_stream(self, other: Stream) -> None:
+        if not isinstance(other, NpuStream):
+            raise TypeError(f"wait_stream needs an NpuStream, got {type(other).__name__}")
+        self.raw.wait_stream(other.raw)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        if event is None:
+            event = NpuEvent(npu_runtime().Event(enable_timing=True))
+        if not isinstance(event, NpuEvent):
+            raise TypeError(f"record_event needs an NpuEvent, got {type(event).__name__}")
+        self.raw.record_event(event.raw)
+        return event
+
+
+def _raw_stream(stream: Stream | None) -> Any:
+    if stream is None:
+        return None
+    if not isinstance(stream, NpuStream):
+        raise TypeError(f"the npu backend needs an NpuStream, got {type(stream).__name__}")
+    return stream.raw
+
+
+class NpuHandle(DeviceHandle):
+    """Ascend NPUs of this process through ``torch.npu``; collectives over HCCL."""
+
+    device_type = "npu"
+    collective_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+
+    def __init__(self) -> None:
+        self._npu = npu_runtime()
+
+    def device_count(self) -> int:
+        return int(self._npu.device_count())
+
+    def current_device(self) -> torch.device:
+        return torch.device("npu", int(self._npu.current_device()))
+
+    def set_device(self, device: torch.device | int) -> None:
+        _index(device)  # validates the device type
+        self._npu.set_device(device)
+
+    def memory_stats(self, device: torch.device | None = None) -> MemoryStats:
+        """The NPU caching allocator's counters (``scope="device"``)."""
+        index = _index(device)
+        return MemoryStats(
+            allocated=int(self._npu.memory_allocated(index)),
+            reserved=int(self._npu.memory_reserved(index)),
+            peak=int(self._npu.max_memory_allocated(index)),
+            scope="device",
+        )
+
+    def reset_peak_memory(self, device: torch.device | None = None) -> None:
+        self._npu.reset_peak_memory_stats(_index(device))
+
+    def new_stream(self, device: torch.device | None = None) -> Stream:
+        return NpuStream(self._npu.Stream(device=_index(device)))
+
+    def current_stream(self, device: torch.device | None = None) -> Stream:
+        return NpuStream(self._npu.current_stream(_index(device)))
+
+    def new_event(self, enable_timing: bool = True) -> Event:
+        return NpuEvent(self._npu.Event(enable_timing=enable_timing))
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self._npu.synchronize(_index(device))
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generators of every visible NPU (``torch.npu.manual_seed_all``)."""
+        self._npu.manual_seed_all(seed)
+
+    def get_rng_state(self, device: torch.device | None = None) -> torch.Tensor:
+        index = _index(device)
+        state: torch.Tensor = self._npu.get_rng_state("npu" if index is None else index)
+        return state
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device | None = None) -> None:
+        index = _index(device)
+        self._npu.set_rng_state(state, "npu" if index is None else index)
+
+    def soc_version(self) -> int:
+        """torch_npu's SoC code (e.g. 220 = Ascend910B1, 260 = Ascend950; -1 unknown)."""
+        getter = getattr(self._npu, "get_soc_version", None) or self._npu.utils.get_soc_version
+        return int(getter())
+
+    def supported_dtypes(self) -> frozenset[torch.dtype]:
+        """fp16 always; bf16 where torch_npu reports it; fp8 only from Ascend950 on.
+
+        Conservative on purpose: Ascend910 (first generation) and the 310 series have no
+        bf16, and no SoC before Ascend950 has FP8 arithmetic (910B/910_93 compute in
+        fp16/bf16/int8), so fp8 is not claimed there even though the tensors can be stored.
+        """
+        dtypes = {torch.float16}
+        if bool(self._npu.is_bf16_supported()):
+            dtypes.add(torch.bfloat16)
+        if self.soc_version() >= FP8_MIN_SOC_VERSION:
+            for name in ("float8_e4m3fn", "float8_e5m2"):
+                dtype = getattr(torch, name, None)
+                if isinstance(dtype, torch.dtype):
+                    dtypes.add(dtype)
+        return frozenset(dtypes)

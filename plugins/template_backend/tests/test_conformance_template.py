@@ -1,0 +1,7 @@
+"""The lamina conformance kit, run against the TEMPLATE backend."""
+
+from lamina.testing.conformance import BackendConformance
+
+
+class TestTemplateConformance(BackendConformance):
+    backends = ("template",)
