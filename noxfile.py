@@ -43,6 +43,14 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/cuda[triton,test]"],
         test_paths=["backends/cuda/tests"],
     ),
+    # torch_xla needs the torch release of its own number; PJRT's CPU client runs the
+    # conformance kit and a training step for real on an `xla` device.
+    "xla": BackendSession(
+        torch=["torch==2.9.0", "torch_xla==2.9.0"],
+        packages=["backends/xla[test]"],
+        test_paths=["backends/xla/tests"],
+        env={"PJRT_DEVICE": "CPU"},
+    ),
     # torch_npu beside the CPU torch: without the CANN toolkit this proves the unavailable
     # path end to end (import torch still works, `lamina info` names libhccl.so).
     "npu": BackendSession(
@@ -54,7 +62,13 @@ BACKENDS: dict[str, BackendSession] = {
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
 #: Every package whose sources mypy checks (core and each backend).
-TYPED_PACKAGES = ["core", "backends/cuda", "backends/npu", "plugins/template_backend"]
+TYPED_PACKAGES = [
+    "core",
+    "backends/cuda",
+    "backends/npu",
+    "backends/xla",
+    "plugins/template_backend",
+]
 
 
 def install_for(session: nox.Session, spec: BackendSession) -> None:
@@ -89,7 +103,12 @@ def tests(session: nox.Session, backend: str) -> None:
     install_for(session, spec)
     session.run("lamina", "info", env=spec.env)
     session.run(
-        "pytest", "-ra", "--durations=10", "tests", *spec.test_paths, *session.posargs,
+        "pytest",
+        "-ra",
+        "--durations=10",
+        "tests",
+        *spec.test_paths,
+        *session.posargs,
         env=spec.env,
     )
 
@@ -100,6 +119,12 @@ def smoke(session: nox.Session) -> None:
     install_for(session, BACKENDS["cpu"])
     session.run("lamina", "info")
     session.run(
-        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "examples/smoke_allreduce.py", *session.posargs,
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "examples/smoke_allreduce.py",
+        *session.posargs,
     )

@@ -145,12 +145,20 @@ def init(
     launch = LaunchEnv.from_environ()
     plugins = get_registry()
     chosen = plugins.select_backend(backend)
+    chosen.prepare_process(
+        launch.rank, launch.world_size, launch.local_rank, launch.local_world_size
+    )
     handle = chosen.handle()
     device = handle.device_for_local_rank(launch.local_rank)
     handle.set_device(device)
-    owns = _init_process_group(chosen, launch, device, timeout)
-    topo = _build_topology(topology, chosen, plugins, launch)
-    device_mesh = _build_mesh(mesh, chosen.device_type, topo)
+    owns = _init_process_group(chosen, launch, timeout)
+    try:
+        topo = _build_topology(topology, chosen, plugins, launch)
+        device_mesh = _build_mesh(mesh, chosen.device_type, topo)
+    except BaseException:
+        if owns and dist.is_initialized():  # leave nothing half-built behind
+            dist.destroy_process_group()
+        raise
     _RUNTIME = Runtime(
         launch.rank,
         launch.world_size,
@@ -181,9 +189,7 @@ def current() -> Runtime | None:
     return _RUNTIME
 
 
-def _init_process_group(
-    backend: Backend, launch: LaunchEnv, device: torch.device, timeout: timedelta
-) -> bool:
+def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> bool:
     if dist.is_initialized():
         if dist.get_world_size() != launch.world_size:
             raise ConfigError(
@@ -205,11 +211,19 @@ def _init_process_group(
             )
     dist.init_process_group(
         backend.collective_backend,
-        init_method="env://",
+        init_method=backend.init_method,
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,
     )
+    placed = (dist.get_rank(), dist.get_world_size())
+    if placed != (launch.rank, launch.world_size):
+        dist.destroy_process_group()
+        raise ConfigError(
+            f"the {backend.name} runtime placed this process at rank {placed[0]} of "
+            f"{placed[1]} but RANK={launch.rank}, WORLD_SIZE={launch.world_size}; launch so "
+            "that they agree (torchrun --node-rank must follow the runtime's host order)"
+        )
     return True
 
 
@@ -226,8 +240,12 @@ def _build_topology(
         topo = load_topology(source)
     else:
         piece = _discover_host(backend, plugins, launch)
+        if launch.world_size == 1:
+            return merge_host_topologies([piece])
         pieces: list[HostTopology | None] = [None] * launch.world_size
-        dist.all_gather_object(pieces, piece)
+        control = backend.control_backend
+        group = dist.new_group(backend=control) if control else None
+        dist.all_gather_object(pieces, piece, group=group)
         return merge_host_topologies([p for p in pieces if p is not None])
     if topo.world_size != launch.world_size:
         raise ConfigError(

@@ -48,6 +48,15 @@ class Backend(abc.ABC):
     #: torch.distributed backend for collectives (``"gloo"``, ``"nccl"``, ``"xla"``, ``"hccl"``).
     collective_backend: str
 
+    #: ``init_method`` of a multi-rank job's process group (``"xla://"`` lets the XLA
+    #: runtime assign ranks; lamina then checks they agree with ``RANK``).
+    init_method: str = "env://"
+
+    #: torch.distributed backend for lamina's own object collectives (topology gather,
+    #: verification) when the collective backend cannot carry CPU tensors (``"gloo"``
+    #: for xla); ``None``: use the default group.
+    control_backend: str | None = None
+
     @abc.abstractmethod
     def availability(self) -> Availability:
         """Probe (without side effects beyond importing the vendor package) whether it runs."""
@@ -59,6 +68,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def discover_host_topology(self, local_rank: int, local_world_size: int) -> HostTopology:
         """What this host looks like from this process: devices, NUMA, intra-host links."""
+
+    def prepare_process(
+        self, rank: int, world_size: int, local_rank: int, local_world_size: int
+    ) -> None:
+        """Configure the vendor runtime for this rank before any device is touched.
+
+        Called by ``lamina.init()`` before :meth:`handle`. Default: nothing. Raise
+        :class:`lamina.errors.NotSupportedError` when the runtime cannot run this launch.
+        """
+        return None
 
     def vendor_versions(self) -> dict[str, str]:
         """Versions of the vendor packages this backend uses (found without importing them)."""

@@ -26,12 +26,20 @@ LOOPBACK = "127.0.0.1"
 
 
 class RankFailure(LaminaError, AssertionError):
-    """A rank raised or exited non-zero; ``rank`` and its ``details`` say which and why."""
+    """A rank raised or exited non-zero; ``rank`` and its ``details`` say which and why.
 
-    def __init__(self, rank: int, details: str) -> None:
+    ``error_type`` is the qualified name of the exception the rank raised (``None`` when
+    it died without raising) and ``message`` its text.
+    """
+
+    def __init__(
+        self, rank: int, details: str, error_type: str | None = None, message: str = ""
+    ) -> None:
         super().__init__(f"rank {rank} failed:\n{details}")
         self.rank = rank
         self.details = details
+        self.error_type = error_type
+        self.message = message
 
 
 class RankTimeout(LaminaError, TimeoutError):
@@ -60,8 +68,9 @@ def _rank_main(
     rank = int(env["RANK"])
     try:
         value = fn(*args)
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as exc:
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        results.put((rank, "error", (traceback.format_exc(), kind, str(exc))))
         _shutdown_quietly()
         sys.exit(1)
     _shutdown_quietly()
@@ -137,7 +146,7 @@ def _collect(procs: list[BaseProcess], results: Any, timeout: float) -> list[Any
                 raise RankTimeout(running, timeout) from None
             continue
         if status == "error":
-            raise RankFailure(rank, payload)
+            raise RankFailure(rank, *payload)
         values[rank] = payload
     for rank, proc in enumerate(procs):
         proc.join(timeout=10)
@@ -156,7 +165,7 @@ def _check_dead(procs: list[BaseProcess], values: dict[int, Any], results: Any) 
         except queue.Empty:
             raise RankFailure(rank, f"died with exit code {proc.exitcode} (no report)") from None
         if status == "error":
-            raise RankFailure(late_rank, payload)
+            raise RankFailure(late_rank, *payload)
         values[late_rank] = payload
 
 

@@ -6,6 +6,7 @@ is installed. It imports lamina only when a test asks for a lamina fixture.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -62,3 +63,36 @@ def lamina_backend(lamina_backend_name: str) -> Backend:
 def lamina_handle(lamina_backend: Backend) -> DeviceHandle:
     """The DeviceHandle of the backend under test."""
     return lamina_backend.handle()
+
+
+#: Variables a launcher or user may set that change what ``lamina.init()`` does.
+LAUNCH_VARIABLES = (
+    "LAMINA_BACKEND",
+    "LAMINA_TOPOLOGY",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture
+def lamina_clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No runtime, process group, launcher variables or lamina overrides, before and after."""
+    import torch.distributed as dist
+
+    import lamina
+    from lamina.plugins import get_registry
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    lamina.shutdown()
+    if dist.is_available() and dist.is_initialized():  # left behind by a failed test
+        dist.destroy_process_group()
+    yield
+    lamina.shutdown()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    get_registry(reload=True)
