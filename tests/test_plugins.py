@@ -82,6 +82,7 @@ def test_info_table_shows_failed_plugin(broken_site: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "failed" in result.stdout and "vendor runtime exploded" in result.stdout
     assert "selected backend: cpu" in result.stdout
+    assert "cpu: available — " in result.stdout
 
 
 class TwinCpuBackend(CpuBackend):

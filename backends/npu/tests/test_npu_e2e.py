@@ -72,3 +72,12 @@ def test_lamina_info_reports_npu_unavailable_and_cpu_available() -> None:
     assert backends["npu"]["collective_backend"] == "hccl"
     assert backends["cpu"]["available"] is True
     assert report["selected_backend"] == "cpu"
+
+
+def test_lamina_info_table_names_libhccl() -> None:
+    proc = _python("-m", "lamina.cli.main", "info")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    npu = next(line.strip() for line in lines if line.strip().startswith("npu: "))
+    assert npu.startswith("npu: unavailable — ") and "libhccl.so" in npu and "CANN" in npu
+    assert any(line.strip().startswith("cpu: available") for line in lines)

@@ -112,15 +112,15 @@ def render_info(report: dict[str, Any], console: Console) -> None:
         plugins.add_row(p["name"], dist, status, ", ".join(p["backends"]), error)
     console.print(plugins)
 
-    console.print("[bold]backends[/bold] (* = selected)")
+    console.print("[bold]backends[/bold]")
     for b in report["backends"]:
-        mark = "*" if b["name"] == report["selected_backend"] else ""
+        selected = " [bold](selected)[/bold]" if b["name"] == report["selected_backend"] else ""
         state = "available" if b["available"] else "unavailable"
         style = "green" if b["available"] else "yellow"
         reason = f" — {b['reason']}" if b["reason"] else ""
         vendor = ", ".join(f"{k} {v}" for k, v in b["vendor_versions"].items())
         console.print(
-            f"  {b['name']}{mark}: [{style}]{state}[/{style}]{reason}\n"
+            f"  {b['name']}: [{style}]{state}[/{style}]{reason}{selected}\n"
             f"      priority {b['priority']}, device {b['device_type']}, "
             f"collectives {b['collective_backend']}" + (f", {vendor}" if vendor else ""),
             soft_wrap=True,
