@@ -102,15 +102,9 @@ def tests(session: nox.Session, backend: str) -> None:
     spec = BACKENDS[backend]
     install_for(session, spec)
     session.run("lamina", "info", env=spec.env)
-    session.run(
-        "pytest",
-        "-ra",
-        "--durations=10",
-        "tests",
-        *spec.test_paths,
-        *session.posargs,
-        env=spec.env,
-    )
+    session.run("pytest", "-ra", "--durations=5", "tests", *session.posargs, env=spec.env)
+    # The backend's own tests verbosely, so the log shows each check that ran or skipped.
+    session.run("pytest", "-v", "-ra", *spec.test_paths, *session.posargs, env=spec.env)
 
 
 @nox.session

@@ -245,6 +245,8 @@ def _build_topology(
         pieces: list[HostTopology | None] = [None] * launch.world_size
         control = backend.control_backend
         group = dist.new_group(backend=control) if control else None
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise RuntimeError(f"rank {launch.rank} is not a member of the {control} group")
         dist.all_gather_object(pieces, piece, group=group)
         return merge_host_topologies([p for p in pieces if p is not None])
     if topo.world_size != launch.world_size:

@@ -7,11 +7,12 @@ device); nothing here re-implements what ``torch.cuda`` gives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream, torch_dtypes_by_name
+from lamina.device.torch_streams import TorchEvent, TorchStream
 
 __all__ = ["FP8_MIN_CAPABILITY", "CudaEvent", "CudaHandle", "CudaStream"]
 
@@ -19,87 +20,40 @@ __all__ = ["FP8_MIN_CAPABILITY", "CudaEvent", "CudaHandle", "CudaStream"]
 FP8_MIN_CAPABILITY = (8, 9)
 
 
-# torch.cuda's Event/Stream constructors and query() carry no annotations in some releases.
+# torch.cuda's Event/Stream constructors carry no annotations in some releases.
 _new_event = cast("Callable[..., torch.cuda.Event]", torch.cuda.Event)
 _new_stream = cast("Callable[..., torch.cuda.Stream]", torch.cuda.Stream)
 
 
-def _query(raw: torch.cuda.Event | torch.cuda.Stream) -> bool:
-    return bool(cast(Any, raw).query())
-
-
-def _raw_stream(stream: Stream | None) -> torch.cuda.Stream | None:
-    if stream is None:
-        return None
-    if not isinstance(stream, CudaStream):
-        raise TypeError(f"the cuda backend needs a CudaStream, got {type(stream).__name__}")
-    return stream.raw
-
-
-class CudaEvent(Event):
+class CudaEvent(TorchEvent):
     """A ``torch.cuda.Event``."""
 
+    raw: torch.cuda.Event
+
     def __init__(self, enable_timing: bool = True) -> None:
-        self.enable_timing = enable_timing
-        self.raw = _new_event(enable_timing=enable_timing)
-
-    def record(self, stream: Stream | None = None) -> None:
-        self.raw.record(_raw_stream(stream))
-
-    def wait(self, stream: Stream | None = None) -> None:
-        self.raw.wait(_raw_stream(stream))
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
-
-    def query(self) -> bool:
-        return _query(self.raw)
-
-    def elapsed_time(self, end: Event) -> float:
-        if not isinstance(end, CudaEvent):
-            raise TypeError(f"elapsed_time needs a CudaEvent, got {type(end).__name__}")
-        if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("elapsed_time needs events created with enable_timing=True")
-        return float(self.raw.elapsed_time(end.raw))
+        super().__init__(_new_event(enable_timing=enable_timing), enable_timing)
 
 
-class CudaStream(Stream):
+class CudaStream(TorchStream):
     """A ``torch.cuda.Stream``; use ``torch.cuda.stream(s.raw)`` to queue work on it."""
 
+    event_class = CudaEvent
+    raw: torch.cuda.Stream
+
     def __init__(self, raw: torch.cuda.Stream) -> None:
-        self.raw = raw
+        super().__init__(raw)
 
     @property
     def device(self) -> torch.device:
         """The device the stream belongs to."""
         return torch.device(self.raw.device)
 
-    def synchronize(self) -> None:
-        self.raw.synchronize()
+    def new_event(self) -> CudaEvent:
+        """A new timing ``torch.cuda.Event``."""
+        return CudaEvent()
 
-    def query(self) -> bool:
-        return _query(self.raw)
 
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent):
-            raise TypeError(f"wait_event needs a CudaEvent, got {type(event).__name__}")
-        self.raw.wait_event(event.raw)
-
-    def wait_stream(self, other: Stream) -> None:
-        raw = _raw_stream(other)
-        assert raw is not None
-        self.raw.wait_stream(raw)
-
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event if event is not None else CudaEvent()
-        event.record(self)
-        return event
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CudaStream) and self.raw == other.raw
-
-    def __hash__(self) -> int:
-        return hash(self.raw)
+CudaEvent.stream_class = CudaStream
 
 
 def _device(device: torch.device | int | None) -> torch.device | int | None:

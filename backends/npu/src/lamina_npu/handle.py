@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
+from lamina.device.torch_streams import TorchEvent, TorchStream
 
 __all__ = ["FP8_MIN_SOC_VERSION", "NpuEvent", "NpuHandle", "NpuStream", "npu_runtime"]
 
@@ -36,67 +37,21 @@ def _index(device: torch.device | int | None) -> int | None:
     return device.index
 
 
-class NpuEvent(Event):
+class NpuEvent(TorchEvent):
     """A ``torch.npu.Event`` (an ACL event; timing when created with ``enable_timing``)."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
 
-    def record(self, stream: Stream | None = None) -> None:
-        self.raw.record(_raw_stream(stream))
-
-    def wait(self, stream: Stream | None = None) -> None:
-        self.raw.wait(_raw_stream(stream))
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
-
-    def query(self) -> bool:
-        return bool(self.raw.query())
-
-    def elapsed_time(self, end: Event) -> float:
-        if not isinstance(end, NpuEvent):
-            raise TypeError(f"elapsed_time needs an NpuEvent, got {type(end).__name__}")
-        return float(self.raw.elapsed_time(end.raw))
-
-
-class NpuStream(Stream):
+class NpuStream(TorchStream):
     """A ``torch.npu.Stream`` (an ACL stream on one device)."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
+    event_class = NpuEvent
 
-    def synchronize(self) -> None:
-        self.raw.synchronize()
-
-    def query(self) -> bool:
-        return bool(self.raw.query())
-
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, NpuEvent):
-            raise TypeError(f"wait_event needs an NpuEvent, got {type(event).__name__}")
-        self.raw.wait_event(event.raw)
-
-    def wait_stream(self, other: Stream) -> None:
-        if not isinstance(other, NpuStream):
-            raise TypeError(f"wait_stream needs an NpuStream, got {type(other).__name__}")
-        self.raw.wait_stream(other.raw)
-
-    def record_event(self, event: Event | None = None) -> Event:
-        if event is None:
-            event = NpuEvent(npu_runtime().Event(enable_timing=True))
-        if not isinstance(event, NpuEvent):
-            raise TypeError(f"record_event needs an NpuEvent, got {type(event).__name__}")
-        self.raw.record_event(event.raw)
-        return event
+    def new_event(self) -> NpuEvent:
+        """A new timing ``torch.npu.Event``."""
+        return NpuEvent(npu_runtime().Event(enable_timing=True))
 
 
-def _raw_stream(stream: Stream | None) -> Any:
-    if stream is None:
-        return None
-    if not isinstance(stream, NpuStream):
-        raise TypeError(f"the npu backend needs an NpuStream, got {type(stream).__name__}")
-    return stream.raw
+NpuEvent.stream_class = NpuStream
 
 
 class NpuHandle(DeviceHandle):
@@ -139,7 +94,7 @@ class NpuHandle(DeviceHandle):
         return NpuStream(self._npu.current_stream(_index(device)))
 
     def new_event(self, enable_timing: bool = True) -> Event:
-        return NpuEvent(self._npu.Event(enable_timing=enable_timing))
+        return NpuEvent(self._npu.Event(enable_timing=enable_timing), enable_timing)
 
     def synchronize(self, device: torch.device | None = None) -> None:
         self._npu.synchronize(_index(device))
