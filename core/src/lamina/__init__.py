@@ -13,6 +13,7 @@ from lamina.device.topology import Topology
 from lamina.errors import LaminaError
 from lamina.hookspecs import hookimpl
 from lamina.session import Runtime, current, init, shutdown
+from lamina.strategies import distribute
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "Topology",
     "__version__",
     "current",
+    "distribute",
     "hookimpl",
     "init",
     "shutdown",

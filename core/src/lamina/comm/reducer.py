@@ -1,0 +1,179 @@
+"""The gradient reducer: bucket storage, readiness hooks, async all-reduce during backward.
+
+Each planned bucket owns one flat buffer; every parameter's ``.grad`` becomes a view
+into its bucket's slot, so gradients land in bucket storage and a full bucket is reduced
+in place. A post-accumulate-grad hook marks a parameter ready; when the last parameter of
+a bucket is ready its all-reduce starts asynchronously (gloo's worker thread on CPU; NCCL's
+internal stream on CUDA), while backward goes on computing the next buckets. A callback
+queued on the autograd engine runs when backward ends: it launches what did not fill,
+waits for every collective, and leaves averaged gradients for the optimizer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lamina.comm.buckets import Bucket, BucketPlan
+
+
+@dataclass
+class _BucketState:
+    """Run-time state of one planned bucket."""
+
+    plan: Bucket
+    buffer: torch.Tensor
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]
+    ready: set[int] = field(default_factory=set)
+    work: Any = None
+
+
+@dataclass
+class ReducerStats:
+    """Counters for tests and reports: what the last backward did."""
+
+    launched_in_backward: int = 0
+    launched_at_end: int = 0
+    grads_copied: int = 0
+    stray_params: int = 0
+
+
+class GradientReducer:
+    """Averages the gradients of ``named_params`` across ``group`` according to ``plan``."""
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        named_params: dict[str, nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.plan = plan
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.sync_enabled = True
+        self.stats = ReducerStats()
+        self._buckets = [self._allocate(b, named_params) for b in plan.buckets]
+        self._where: dict[nn.Parameter, tuple[_BucketState, int]] = {}
+        for state in self._buckets:
+            for k, param in enumerate(state.params):
+                self._where[param] = (state, k)
+        self._stray = [named_params[n] for n in plan.excluded if n in named_params]
+        self._lock = threading.Lock()
+        self._callback_queued = False
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in self._where
+        ]
+
+    @staticmethod
+    def _allocate(bucket: Bucket, named_params: dict[str, nn.Parameter]) -> _BucketState:
+        params = [named_params[s.name] for s in bucket.slots]
+        device = params[0].device
+        buffer = torch.zeros(bucket.numel, dtype=params[0].dtype, device=device)
+        views = [
+            buffer.narrow(0, slot.offset, slot.numel).view(slot.shape) for slot in bucket.slots
+        ]
+        for param, view in zip(params, views, strict=True):
+            if param.grad is not None:  # keep gradients that already exist
+                view.copy_(param.grad)
+                param.grad = view
+        return _BucketState(bucket, buffer, params, views)
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return
+        state, k = self._where[param]  # type: ignore[index]
+        with self._lock:
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._land_in_bucket(state, k)
+            state.ready.add(k)
+            if len(state.ready) == len(state.params) and state.work is None:
+                self._launch(state)
+                self.stats.launched_in_backward += 1
+
+    def _land_in_bucket(self, state: _BucketState, k: int) -> None:
+        param, view = state.params[k], state.views[k]
+        grad = param.grad
+        if grad is None or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape):
+            return
+        view.copy_(grad)
+        param.grad = view
+        self.stats.grads_copied += 1
+
+    def _launch(self, state: _BucketState) -> None:
+        if self.world_size > 1:
+            state.buffer.div_(self.world_size)
+            state.work = dist.all_reduce(state.buffer, group=self.group, async_op=True)
+        else:
+            state.work = _DONE
+
+    def _finish_backward(self) -> None:
+        """End of backward: launch partial buckets, wait for all, reset for the next step."""
+        with self._lock:
+            self._callback_queued = False
+            for state in self._buckets:
+                if state.work is None:
+                    for k, view in enumerate(state.views):
+                        if k not in state.ready:
+                            self._land_or_zero(state, k, view)
+                    self._launch(state)
+                    self.stats.launched_at_end += 1
+            for state in self._buckets:
+                state.work.wait()
+                state.work = None
+                state.ready.clear()
+            self._reduce_strays()
+
+    def _land_or_zero(self, state: _BucketState, k: int, view: torch.Tensor) -> None:
+        if state.params[k].grad is None:
+            view.zero_()  # no gradient this step on this rank: contribute zeros
+        else:
+            self._land_in_bucket(state, k)
+
+    def _reduce_strays(self) -> None:
+        """Parameters the plan excluded as unused that got a gradient anyway: still averaged."""
+        for param in self._stray:
+            if param.grad is not None and self.world_size > 1:
+                param.grad.div_(self.world_size)
+                dist.all_reduce(param.grad, group=self.group)
+                self.stats.stray_params += 1
+
+    # -- user-facing controls ------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block synchronizes."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def bucket_views(self) -> list[list[torch.Tensor]]:
+        """The gradient views of each bucket (for tests and inspection)."""
+        return [list(s.views) for s in self._buckets]
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+__all__ = ["GradientReducer", "ReducerStats"]
