@@ -69,7 +69,8 @@ class GradientReducer:
         self._lock = threading.Lock()
         self._callback_queued = False
         self._handles = [
-            param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in self._where
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
+            for param in self._where
         ]
 
     @staticmethod
