@@ -100,9 +100,9 @@ def workloads(rank: int) -> dict[str, Workload]:
     return {"mlp": (mlp, mlp_batch, F.mse_loss), "gpt": (GPT, gpt_batch, ce)}
 
 
-def wrap(variant: str, model: nn.Module) -> nn.Module:
+def wrap(variant: str, model: nn.Module, bucket_cap_mb: float | None) -> nn.Module:
     if variant == "lamina":
-        return lamina.distribute(model, "dp")
+        return lamina.distribute(model, "dp", bucket_cap_mb=bucket_cap_mb)
     if variant == "ddp":
         return DDP(model)
     return model  # the limit: the same compute, no gradient synchronization
@@ -118,7 +118,7 @@ def run_worker(args: argparse.Namespace) -> None:
         models, opts = {}, {}
         for variant in VARIANTS:
             torch.manual_seed(0)
-            models[variant] = wrap(variant, build())
+            models[variant] = wrap(variant, build(), args.bucket_cap_mb)
             opts[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4)
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         peaks: dict[str, int] = {v: 0 for v in VARIANTS}
@@ -187,6 +187,7 @@ def report(results: dict[str, dict[str, object]], args: argparse.Namespace, worl
         "world_size": world,
         "threads_per_rank": 1,
         "rounds": args.rounds,
+        "lamina_bucket_cap_mb": args.bucket_cap_mb,
         "steps_per_block": args.steps,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -202,6 +203,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds after warm-up")
     parser.add_argument("--steps", type=int, default=6, help="steps per variant per round")
     parser.add_argument("--only", nargs="*", choices=["mlp", "gpt"], help="run these workloads")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="lamina's bucket cap (default: auto)"
+    )
     parser.add_argument("--output", default="dp_vs_ddp.json", help="file in benchmarks/results")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # re-launch under torchrun with 2 ranks

@@ -82,3 +82,12 @@ def test_plan_renders_as_table_and_json_with_stable_fingerprint() -> None:
     assert plan.fingerprint() == again.fingerprint()
     other = plan_buckets(params, ["layer.bias", "layer.weight"], cap_bytes=2 * MIB)
     assert plan.fingerprint() != other.fingerprint()
+
+
+def test_automatic_cap_aims_for_eight_buckets_within_bounds() -> None:
+    from lamina.comm.buckets import auto_bucket_cap
+
+    four_layers = _specs(*[(f"w{i}", (1024, 1024), F32) for i in range(4)])  # 16 MiB
+    assert auto_bucket_cap(four_layers) == 2 * MIB
+    assert auto_bucket_cap(_specs(("tiny", (10,), F32))) == MIB
+    assert auto_bucket_cap(_specs(*[(f"w{i}", (4096, 4096), F32) for i in range(32)])) == 25 * MIB

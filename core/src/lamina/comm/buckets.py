@@ -136,6 +136,20 @@ class BucketPlan:
         return "\n".join(lines)
 
 
+#: How many buckets the automatic cap aims for: enough that each bucket's all-reduce can
+#: hide behind the backward of the layers before it, few enough to keep per-call overhead
+#: small. Measured on gloo (benchmarks/dp_vs_ddp.py): per-layer buckets beat one 25 MiB one.
+AUTO_TARGET_BUCKETS = 8
+AUTO_MIN_CAP = 1 * MIB
+AUTO_MAX_CAP = 25 * MIB
+
+
+def auto_bucket_cap(params: Sequence[ParamSpec]) -> int:
+    """A bucket cap for ``params``: their gradient bytes / 8, clamped to [1 MiB, 25 MiB]."""
+    total = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for p in params)
+    return int(min(AUTO_MAX_CAP, max(AUTO_MIN_CAP, total // AUTO_TARGET_BUCKETS)))
+
+
 def _human(nbytes: int) -> str:
     if nbytes >= MIB:
         return f"{nbytes / MIB:.2f} MiB"

@@ -18,7 +18,7 @@ def distribute(
     *,
     example_inputs: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     first_bucket_mb: float = 1.0,
     **options: Any,
 ) -> nn.Module:

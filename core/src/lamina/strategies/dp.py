@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, plan_buckets
+from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, auto_bucket_cap, plan_buckets
 from lamina.comm.reducer import GradientReducer
 from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, capture
@@ -24,6 +24,8 @@ from lamina.graph import CapturedGraph, capture
 class DataParallel(nn.Module):
     """Wraps ``module``: same forward, gradients averaged across the data-parallel group.
 
+    ``bucket_cap_mb=None`` sizes buckets automatically (gradient bytes / 8, clamped to
+    1..25 MiB) so that communication overlaps backward; a number fixes the cap.
     Parameters and buffers are broadcast from the group's first rank at wrap time, and
     buffers again before every training forward (as torch DDP does), so every rank
     holds the same model. The wrapped module's ``parameters()`` go to a stock optimizer.
@@ -36,7 +38,7 @@ class DataParallel(nn.Module):
         group: dist.ProcessGroup | None = None,
         example_inputs: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         first_bucket_mb: float = 1.0,
         alignment_bytes: int = 512,
         broadcast_buffers: bool = True,
@@ -47,7 +49,7 @@ class DataParallel(nn.Module):
             raise ConfigError(
                 "DataParallel needs torch.distributed; call lamina.init() before distribute()"
             )
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+        if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_mb <= 0:
             raise ConfigError(
                 f"bucket_cap_mb and first_bucket_mb must be > 0, got {bucket_cap_mb} and "
                 f"{first_bucket_mb}"
@@ -55,7 +57,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.broadcast_buffers = broadcast_buffers
-        self._cap_bytes = int(bucket_cap_mb * MIB)
+        self._cap_bytes = None if bucket_cap_mb is None else int(bucket_cap_mb * MIB)
         self._first_bytes = int(first_bucket_mb * MIB)
         self._alignment = alignment_bytes
         self._strict = strict
@@ -78,10 +80,12 @@ class DataParallel(nn.Module):
             ParamSpec(name, tuple(named[name].shape), named[name].dtype)
             for name in self.graph.param_names
         ]
+        unused = set(self.graph.unused)
+        cap = self._cap_bytes or auto_bucket_cap([p for p in specs if p.name not in unused])
         self.plan = plan_buckets(
             specs,
             self.graph.grad_ready_order(),
-            cap_bytes=self._cap_bytes,
+            cap_bytes=cap,
             first_bucket_bytes=self._first_bytes,
             alignment_bytes=self._alignment,
             unused=self.graph.unused,
