@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -180,7 +181,14 @@ def shutdown() -> None:
     """Tear down what :func:`init` created; a no-op when not initialized."""
     global _RUNTIME
     runtime, _RUNTIME = _RUNTIME, None
-    if runtime is not None and runtime.owns_process_group and dist.is_initialized():
+    if runtime is None:
+        return
+    # Drop the mesh's process groups before destroying the default group: a gloo group
+    # still referenced at interpreter exit can abort the process ("terminate called
+    # without an active exception").
+    runtime.mesh.release()
+    gc.collect()
+    if runtime.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

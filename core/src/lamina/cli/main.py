@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from lamina.cli.run import add_run_parser
 from lamina.errors import LaminaError
 
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="installed plugins, backends, devices and topology")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
     info.set_defaults(func=_cmd_info)
+    add_run_parser(sub)
     return parser
 
 

@@ -55,8 +55,19 @@ class DeviceMesh:
     """A named grid of ranks with one process group per axis, built on torch's DeviceMesh."""
 
     def __init__(self, torch_mesh: TorchDeviceMesh, topology: Topology | None = None) -> None:
-        self.torch_mesh = torch_mesh
+        self._torch_mesh: TorchDeviceMesh | None = torch_mesh
         self.topology = topology
+
+    @property
+    def torch_mesh(self) -> TorchDeviceMesh:
+        """The underlying ``torch.distributed.device_mesh.DeviceMesh``."""
+        if self._torch_mesh is None:
+            raise MeshError("this mesh was released by lamina.shutdown(); call lamina.init()")
+        return self._torch_mesh
+
+    def release(self) -> None:
+        """Drop the torch mesh (and through it the per-axis process groups)."""
+        self._torch_mesh = None
 
     @classmethod
     def from_shape(
@@ -128,6 +139,8 @@ class DeviceMesh:
         return self.axis_names.index(axis)
 
     def __repr__(self) -> str:
+        if self._torch_mesh is None:
+            return "DeviceMesh(released)"
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"DeviceMesh({self.torch_mesh.device_type}: {axes})"
 

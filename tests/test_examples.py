@@ -1,0 +1,83 @@
+"""The portable examples train for real on two gloo ranks under torchrun."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+TINY_CORPUS = ("--corpus-mb", "0.1", "--d-model", "32", "--n-layers", "1")
+
+
+def torchrun(script: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone`` on ``examples/<script>``."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            str(EXAMPLES / script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_train_mlp_loss_falls_on_two_ranks() -> None:
+    result = torchrun("train_mlp.py", "--steps", "60", "--log-every", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = re.search(
+        r"done: 60 steps on 2 rank\(s\) \(cpu\) \| loss ([\d.]+) -> ([\d.]+)", result.stdout
+    )
+    assert done, result.stdout
+    first, last = map(float, done.groups())
+    assert last < first / 4, result.stdout
+    assert len(re.findall(r"^step +\d+/60 +loss", result.stdout, re.M)) == 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_train_gpt_loss_falls_and_reports_validation() -> None:
+    tiny = ["--max-steps", "20", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
+    tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "10", "--eval-batches", "2"]
+    result = torchrun("train_gpt.py", *tiny, "--corpus-mb", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert re.search(r"corpus: \d+ stdlib files, [\d,]+ train / [\d,]+ val chars", out), out
+    assert "2 rank(s) on cpu" in out
+    evals = re.findall(r"step +(\d+)/20 \| train loss ([\d.]+) \| val loss ([\d.]+)", out)
+    assert [step for step, _, _ in evals] == ["10", "20"], out
+    done = re.search(r"done: 20 steps \| train loss ([\d.]+) -> ([\d.]+) \| val loss ([\d.]+)", out)
+    assert done, out
+    first, last, val = map(float, done.groups())
+    assert last < first - 1.0, out  # from ~ln(vocab) towards the character frequencies
+    assert val == float(evals[-1][2]) and val < first
+
+
+@pytest.mark.timeout(60)
+def test_train_gpt_zero3_exits_2_with_a_clear_message() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--strategy", "zero3", *TINY_CORPUS],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("train_gpt.py: error: --strategy zero3: "), result.stderr
+    assert "zero3" in message and "'dp'" in message
