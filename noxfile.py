@@ -2,7 +2,8 @@
 
 Each backend session gets its own torch build, because one torch build carries one
 accelerator (torch_npu refuses a CUDA build, torch_xla needs its own torch release).
-Sessions: lint (ruff), typecheck (mypy), tests(<backend>), smoke (the README's main job).
+Sessions: lint (ruff), typecheck (mypy), tests(<backend>), train (the README's main job:
+the GPT example on 2 ranks), smoke (a 2-rank all-reduce).
 """
 
 from __future__ import annotations
@@ -108,10 +109,27 @@ def tests(session: nox.Session, backend: str) -> None:
 
 
 @nox.session
-def smoke(session: nox.Session) -> None:
-    """The main job until the training engine lands: `lamina info` and a 2-rank run."""
+def train(session: nox.Session) -> None:
+    """The main job: `lamina info`, then the portable GPT example on 2 ranks via `lamina run`.
+
+    Arguments after `--` go to train_gpt.py (default: `--max-steps 200`).
+    """
     install_for(session, BACKENDS["cpu"])
     session.run("lamina", "info")
+    session.run(
+        "lamina",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "examples/train_gpt.py",
+        *(session.posargs or ["--max-steps", "200"]),
+    )
+
+
+@nox.session
+def smoke(session: nox.Session) -> None:
+    """A 2-rank all-reduce under torchrun: the quickest check that a machine works."""
+    install_for(session, BACKENDS["cpu"])
     session.run(
         "python",
         "-m",
