@@ -7,6 +7,7 @@ device); nothing here re-implements what ``torch.cuda`` gives.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import cast
 
 import torch
@@ -95,6 +96,11 @@ class CudaHandle(DeviceHandle):
 
     def current_stream(self, device: torch.device | None = None) -> Stream:
         return CudaStream(torch.cuda.current_stream(_device(device)))
+
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"the cuda backend needs a CudaStream, got {type(stream).__name__}")
+        return cast("AbstractContextManager[None]", torch.cuda.stream(stream.raw))
 
     def new_event(self, enable_timing: bool = True) -> Event:
         return CudaEvent(enable_timing)

@@ -9,6 +9,7 @@ imported torch_npu successfully.
 from __future__ import annotations
 
 import importlib
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -92,6 +93,12 @@ class NpuHandle(DeviceHandle):
 
     def current_stream(self, device: torch.device | None = None) -> Stream:
         return NpuStream(self._npu.current_stream(_index(device)))
+
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
+        if not isinstance(stream, NpuStream):
+            raise TypeError(f"the npu backend needs an NpuStream, got {type(stream).__name__}")
+        context: AbstractContextManager[None] = self._npu.stream(stream.raw)
+        return context
 
     def new_event(self, enable_timing: bool = True) -> Event:
         return NpuEvent(self._npu.Event(enable_timing=enable_timing), enable_timing)

@@ -17,6 +17,7 @@ torch_xla is imported inside the methods, never at module import.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -183,6 +184,9 @@ class XlaHandle(DeviceHandle):
         raise NotSupportedError(_NO_STREAMS)
 
     def current_stream(self, device: torch.device | None = None) -> Stream:
+        raise NotSupportedError(_NO_STREAMS)
+
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
         raise NotSupportedError(_NO_STREAMS)
 
     def new_event(self, enable_timing: bool = True) -> Event:

@@ -12,6 +12,7 @@ import os
 import resource
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -146,6 +147,12 @@ class CpuHandle(DeviceHandle):
 
     def current_stream(self, device: torch.device | None = None) -> Stream:
         return self._stream
+
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
+        """Nothing to switch: host work runs in the order it is issued."""
+        if not isinstance(stream, CpuStream):
+            raise TypeError(f"the cpu backend needs a CpuStream, got {type(stream).__name__}")
+        return nullcontext()
 
     def new_event(self, enable_timing: bool = True) -> Event:
         return CpuEvent(enable_timing)

@@ -3,8 +3,10 @@
 Each planned bucket owns one flat buffer; every parameter's ``.grad`` becomes a view
 into its bucket's slot, so gradients land in bucket storage and a full bucket is reduced
 in place. A post-accumulate-grad hook marks a parameter ready; when the last parameter of
-a bucket is ready its all-reduce starts asynchronously (gloo's worker thread on CPU; NCCL's
-internal stream on CUDA), while backward goes on computing the next buckets. A callback
+a bucket is ready its all-reduce starts asynchronously on a dedicated communication
+stream from the DeviceHandle (ordered after the compute stream that wrote the
+gradients; on CPU the host's queue and gloo's worker thread), while backward goes on
+computing the next buckets. A callback
 queued on the autograd engine runs when backward ends: it launches what did not fill,
 waits for every collective, and leaves averaged gradients for the optimizer.
 """
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lamina.comm.buckets import Bucket, BucketPlan
+from lamina.device.handle import DeviceHandle, Stream
+from lamina.errors import NotSupportedError
 
 
 @dataclass
@@ -54,6 +58,7 @@ class GradientReducer:
         plan: BucketPlan,
         named_params: dict[str, nn.Parameter],
         group: dist.ProcessGroup | None = None,
+        handle: DeviceHandle | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
@@ -66,6 +71,8 @@ class GradientReducer:
             for k, param in enumerate(state.params):
                 self._where[param] = (state, k)
         self._stray = [named_params[n] for n in plan.excluded if n in named_params]
+        self._handle = handle
+        self.comm_stream = _comm_stream(handle)
         self._lock = threading.Lock()
         self._callback_queued = False
         self._handles = [
@@ -112,11 +119,18 @@ class GradientReducer:
         self.stats.grads_copied += 1
 
     def _launch(self, state: _BucketState) -> None:
-        if self.world_size > 1:
+        if self.world_size == 1:
+            state.work = _DONE
+            return
+        if self._handle is None or self.comm_stream is None:
             state.buffer.div_(self.world_size)
             state.work = dist.all_reduce(state.buffer, group=self.group, async_op=True)
-        else:
-            state.work = _DONE
+            return
+        # the bucket's gradients were written on the compute stream: order after them
+        self.comm_stream.wait_stream(self._handle.current_stream())
+        with self._handle.use_stream(self.comm_stream):
+            state.buffer.div_(self.world_size)
+            state.work = dist.all_reduce(state.buffer, group=self.group, async_op=True)
 
     def _finish_backward(self) -> None:
         """End of backward: launch partial buckets, wait for all, reset for the next step."""
@@ -133,6 +147,8 @@ class GradientReducer:
                 state.work.wait()
                 state.work = None
                 state.ready.clear()
+            if self._handle is not None and self.comm_stream is not None:
+                self._handle.current_stream().wait_stream(self.comm_stream)
             self._reduce_strays()
 
     def _land_or_zero(self, state: _BucketState, k: int, view: torch.Tensor) -> None:
@@ -168,6 +184,16 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _comm_stream(handle: DeviceHandle | None) -> Stream | None:
+    """A dedicated communication stream, or None where the device has no streams (XLA)."""
+    if handle is None:
+        return None
+    try:
+        return handle.new_stream()
+    except NotSupportedError:
+        return None
 
 
 class _Done:

@@ -8,6 +8,7 @@ Everything above the device layer talks to devices only through this contract.
 from __future__ import annotations
 
 import abc
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -143,6 +144,10 @@ class DeviceHandle(abc.ABC):
     @abc.abstractmethod
     def current_stream(self, device: torch.device | None = None) -> Stream:
         """The stream work is currently submitted to."""
+
+    @abc.abstractmethod
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
+        """Context in which work (kernels, collectives) is queued on ``stream``."""
 
     @abc.abstractmethod
     def new_event(self, enable_timing: bool = True) -> Event:

@@ -43,6 +43,7 @@ def distribute(
         raise ConfigError(f"mesh {runtime.mesh} does not cover the {runtime.world_size} ranks")
     return DataParallel(
         model,
+        handle=runtime.handle,
         example_inputs=example_inputs,
         example_kwargs=example_kwargs,
         bucket_cap_mb=bucket_cap_mb,

@@ -17,6 +17,7 @@ from torch import nn
 
 from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, auto_bucket_cap, plan_buckets
 from lamina.comm.reducer import GradientReducer
+from lamina.device.handle import DeviceHandle
 from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, capture
 
@@ -36,6 +37,7 @@ class DataParallel(nn.Module):
         module: nn.Module,
         *,
         group: dist.ProcessGroup | None = None,
+        handle: DeviceHandle | None = None,
         example_inputs: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
         bucket_cap_mb: float | None = None,
@@ -56,6 +58,7 @@ class DataParallel(nn.Module):
             )
         self.module = module
         self.group = group
+        self.handle = handle
         self.broadcast_buffers = broadcast_buffers
         self._cap_bytes = None if bucket_cap_mb is None else int(bucket_cap_mb * MIB)
         self._first_bytes = int(first_bucket_mb * MIB)
@@ -91,7 +94,7 @@ class DataParallel(nn.Module):
             unused=self.graph.unused,
             strict=self._strict,
         )
-        self.reducer = GradientReducer(self.plan, named, self.group)
+        self.reducer = GradientReducer(self.plan, named, self.group, self.handle)
         return self.plan
 
     # -- running -------------------------------------------------------------------------

@@ -176,6 +176,10 @@ class BackendConformance:
             side = lamina_handle.new_stream(device)
             main = lamina_handle.current_stream(device)
             side.wait_stream(main)
+            with lamina_handle.use_stream(side):
+                on_side = torch.arange(1024, device=device, dtype=torch.float32) * 2
+            main.wait_stream(side)
+            assert float(on_side.sum().item()) == 1024 * 1023
             event = main.record_event()
             side.wait_event(event)
             side.synchronize()

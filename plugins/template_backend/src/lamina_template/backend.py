@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata as md
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -81,6 +82,10 @@ class TemplateHandle(DeviceHandle):
     def current_stream(self, device: torch.device | None = None) -> Stream:
         """Vendor: wrap ``torch.<vendor>.current_stream(device)``."""
         return self._host.current_stream(device)
+
+    def use_stream(self, stream: Stream) -> AbstractContextManager[None]:
+        """Vendor: ``torch.<vendor>.stream(stream.raw)`` (a context that switches streams)."""
+        return self._host.use_stream(stream)
 
     def new_event(self, enable_timing: bool = True) -> Event:
         """Vendor: wrap ``torch.<vendor>.Event(enable_timing=enable_timing)``."""
