@@ -32,40 +32,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
 
+# the benchmark's GPT is the one the examples train (examples/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _gpt_model import GPT, GPTConfig, lm_loss
+
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("lamina", "ddp", "limit")
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(
-        self, vocab: int = 8192, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 128
-    ) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+def gpt() -> nn.Module:
+    """The examples' GPT at the benchmark's fixed size."""
+    return GPT(GPTConfig(vocab_size=8192, seq_len=128, d_model=256, n_layers=4, n_heads=4))
 
 
 def mlp() -> nn.Module:
@@ -94,10 +71,7 @@ def workloads(rank: int) -> dict[str, Workload]:
         idx = torch.randint(0, 8192, (8, 129), generator=gen)
         return idx[:, :-1], idx[:, 1:]
 
-    def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-    return {"mlp": (mlp, mlp_batch, F.mse_loss), "gpt": (GPT, gpt_batch, ce)}
+    return {"mlp": (mlp, mlp_batch, F.mse_loss), "gpt": (gpt, gpt_batch, lm_loss)}
 
 
 def wrap(variant: str, model: nn.Module, bucket_cap_mb: float | None) -> nn.Module:

@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if args.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    model.clip_grad_norm_(args.grad_clip)  # type: ignore[operator]
                 optimizer.step()
                 schedule.step()
                 rt.handle.synchronize()

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# the GPT the examples train (examples/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _gpt_model import GPT, GPTConfig
 
 
 class MLP(nn.Module):
@@ -19,44 +26,9 @@ class MLP(nn.Module):
         return out
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
-class TinyGPT(nn.Module):
-    """Decoder-only transformer with a tied lm head."""
-
-    def __init__(
-        self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16
-    ) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.zeros(seq, d))
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits: torch.Tensor = self.head(self.ln(x))
-        return logits
+def tiny_gpt() -> nn.Module:
+    """The examples' GPT (tied lm head) at a test size."""
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
 
 
 class Tied(nn.Module):
@@ -103,7 +75,7 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     return {
         "mlp": MLP,
-        "gpt": TinyGPT,
+        "gpt": tiny_gpt,
         "tied": Tied,
         "unused": WithUnused,
         "batchnorm": WithBatchNorm,

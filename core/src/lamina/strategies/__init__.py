@@ -27,16 +27,18 @@ def distribute(
     ``"dp"``: data parallel with graph-planned gradient buckets (see
     :class:`lamina.strategies.dp.DataParallel` for ``options``). Without
     ``example_inputs`` the graph is captured on the first forward.
+    ``"zero3"``: parameters, gradients and optimizer state sharded across ranks (see
+    :class:`lamina.strategies.zero3.ShardedDataParallel`).
     """
     from lamina.session import current, init
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if strategy == "zero3":
-        raise ConfigError(
-            "strategy 'zero3' is not available in this release of lamina; use strategy='dp'"
-        )
     runtime = current() or init()
+    if strategy == "zero3":
+        from lamina.strategies.zero3 import ShardedDataParallel
+
+        return ShardedDataParallel(model, **options)
     from lamina.strategies.dp import DataParallel
 
     if runtime.world_size != runtime.mesh.size():

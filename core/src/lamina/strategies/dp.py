@@ -106,6 +106,10 @@ class DataParallel(nn.Module):
             self._broadcast(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the (already averaged) gradients."""
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally; the next one outside synchronizes."""

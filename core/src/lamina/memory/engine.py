@@ -1,0 +1,192 @@
+"""The ZeRO-3 engine: sharded flat parameters gathered per unit just in time.
+
+Each unit (a transformer block, the remaining root parameters) owns one flat shard per
+rank: an ``nn.Parameter`` that the optimizer sees. Before a unit's forward its shards
+are gathered into a full flat buffer (the next unit's gather is started asynchronously
+right after), the module attributes become views of that buffer, and after the forward
+the buffer is dropped. Autograd keeps no reference to it: a saved-tensor hook replaces
+every saved view of a unit buffer by a token, and when backward needs it the unit is
+gathered again (prefetching the unit before it). The gather's backward reduce-scatters
+the full gradient straight into the shard's gradient and drops the buffer again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lamina.memory.gather import Primitive, gather_full, reduce_scatter_mean
+from lamina.memory.layout import UnitLayout
+
+
+@dataclass
+class UnitState:
+    """Run-time state of one unit on this rank."""
+
+    layout: UnitLayout
+    shard: nn.Parameter
+    #: (module, attribute) places where each parameter lives, by parameter name.
+    places: dict[str, list[tuple[nn.Module, str]]]
+    rank: int
+    primitive: Primitive
+    group: dist.ProcessGroup | None
+    full: torch.Tensor | None = None
+    pending: Any = None
+    gathers: int = field(default=0)
+
+    def start_gather(self) -> None:
+        """Begin gathering the full buffer (asynchronously where the backend allows)."""
+        if self.full is not None or self.pending is not None:
+            return
+        buffer = torch.empty(
+            self.layout.total_numel, dtype=self.shard.dtype, device=self.shard.device
+        )
+        with torch.no_grad():
+            work = gather_full(
+                self.shard.detach(), buffer, self.rank, self.primitive, self.group, async_op=True
+            )
+        self.pending = (buffer, work)
+        self.gathers += 1
+
+    def wait_gather(self) -> torch.Tensor:
+        """The full buffer, gathering now if no gather is in flight."""
+        if self.full is None:
+            self.start_gather()
+            buffer, work = self.pending
+            if work is not None:
+                work.wait()
+            self.full, self.pending = buffer, None
+        return self.full
+
+    def release(self) -> None:
+        """Drop the full buffer and any gather still in flight (finished first, so that
+        every rank completes the same collectives)."""
+        if self.pending is not None:
+            _buffer, work = self.pending
+            if work is not None:
+                work.wait()
+            self.pending = None
+        self.full = None
+
+
+class _GatherUnit(torch.autograd.Function):
+    """shard -> full buffer; backward: full gradient -> this rank's mean shard gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, unit: UnitState) -> torch.Tensor:  # type: ignore[override]
+        ctx.unit = unit
+        full = unit.wait_gather()
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        unit: UnitState = ctx.unit
+        world = unit.layout.world_size
+        grad = reduce_scatter_mean(grad_full, unit.rank, world, unit.primitive, unit.group)
+        unit.release()
+        return grad, None
+
+
+class Zero3Engine:
+    """Installs and removes gathered parameter views around each unit's forward."""
+
+    def __init__(self, units: list[UnitState], root: nn.Module) -> None:
+        self.units = units
+        self.root = root
+        self._by_storage: dict[int, UnitState] = {}
+        self._forward_order: list[UnitState] = []
+        self._recording = True
+
+    # -- forward ------------------------------------------------------------------------
+    def enter_unit(self, unit: UnitState) -> None:
+        """Gather ``unit``, prefetch the next one, install its parameter views."""
+        if self._recording:
+            self._forward_order.append(unit)
+        full: torch.Tensor = _GatherUnit.apply(unit.shard, unit)  # type: ignore[no-untyped-call]
+        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        nxt = self._next_after(unit)
+        if nxt is not None:
+            nxt.start_gather()
+        views = unit.layout.views(full)
+        for name, view in views.items():
+            for module, attr in unit.places[name]:
+                setattr(module, attr, view)
+
+    def leave_unit(self, unit: UnitState) -> None:
+        """Drop the views and the buffer; autograd keeps tokens, not the buffer."""
+        for places in unit.places.values():
+            for module, attr in places:
+                setattr(module, attr, _EMPTY)
+        if unit.full is not None:
+            self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
+        unit.release()
+
+    def drop_stale_prefetches(self) -> None:
+        """Before a forward: no unit keeps a buffer gathered before the optimizer step."""
+        for unit in self.units:
+            unit.release()
+
+    def finish_forward(self) -> None:
+        """The first forward fixed the unit order used for prefetching."""
+        self._recording = False
+
+    def _next_after(self, unit: UnitState) -> UnitState | None:
+        order = self._forward_order if not self._recording else self.units
+        if unit not in order:
+            return None
+        k = order.index(unit)
+        return order[k + 1] if k + 1 < len(order) else None
+
+    def _previous_of(self, unit: UnitState) -> UnitState | None:
+        order = self._forward_order or self.units
+        if unit not in order:
+            return None
+        k = order.index(unit)
+        return order[k - 1] if k > 0 else None
+
+    # -- saved tensors --------------------------------------------------------------------
+    @contextmanager
+    def saved_views_as_tokens(self) -> Iterator[None]:
+        """Within the block, autograd saves tokens instead of views of unit buffers."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        unit = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if unit is None:
+            return tensor
+        return _Token(
+            unit,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
+            tensor.requires_grad,
+        )
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Token):
+            return packed  # type: ignore[no-any-return]
+        full = packed.unit.wait_gather()
+        previous = self._previous_of(packed.unit)
+        if previous is not None:
+            previous.start_gather()  # backward runs the units in reverse
+        view = full.as_strided(packed.shape, packed.stride, packed.offset)
+        return view
+
+
+@dataclass(frozen=True)
+class _Token:
+    unit: UnitState
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+
+
+_EMPTY = torch.empty(0)

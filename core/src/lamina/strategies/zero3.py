@@ -1,0 +1,168 @@
+"""ZeRO-3 data parallelism (``lamina.distribute(model, "zero3")``).
+
+Parameters, gradients and optimizer state are sharded across the data-parallel group:
+the wrapper's ``parameters()`` are this rank's flat shards (one per unit), so a stock
+``torch.optim`` optimizer keeps state for the shard only. See
+:mod:`lamina.memory.engine` for how units are gathered and freed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lamina.errors import ConfigError
+from lamina.memory import ShardLayout, build_layout, group_units
+from lamina.memory.engine import UnitState, Zero3Engine
+from lamina.memory.gather import choose_primitive
+from lamina.memory.units import ROOT_UNIT
+
+
+class ShardedDataParallel(nn.Module):
+    """Wraps ``module`` so that every rank holds 1/N of its trainable parameters.
+
+    Units come from the module structure (one per block of the first ModuleList or
+    Sequential; blocks smaller than ``min_unit_numel`` elements are merged; the rest is
+    the root unit). A unit named after one submodule is gathered around that
+    submodule's forward and freed after it; the root unit and merged units are gathered
+    for the whole forward. Every unit is gathered again in backward when needed.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        alignment_bytes: int = 512,
+        min_unit_numel: int = 1 << 16,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise ConfigError("ZeRO-3 needs torch.distributed; call lamina.init() first")
+        self.group = group
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        source = dist.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if world > 1:
+                    dist.broadcast(tensor.data, src=source, group=group)
+        self.layout: ShardLayout = build_layout(
+            module,
+            world,
+            alignment_bytes=alignment_bytes,
+            units=group_units(module, min_unit_numel=min_unit_numel),
+        )
+        places = _places(module)
+        primitive = choose_primitive(group)
+        units = []
+        for unit in self.layout.units:
+            named = {p.name: _param(module, p.name) for p in unit.params}
+            with torch.no_grad():
+                full = unit.flatten({n: t.detach() for n, t in named.items()})
+                shard = nn.Parameter(unit.shard_of(full, rank).clone())
+            units.append(
+                UnitState(unit, shard, {n: places[n] for n in named}, rank, primitive, group)
+            )
+        for state in units:
+            for module_places in state.places.values():
+                for owner, attr in module_places:
+                    if attr in owner._parameters:
+                        del owner._parameters[attr]
+        self.module = module
+        self.shards = nn.ParameterList([u.shard for u in units])
+        self.engine = Zero3Engine(units, module)
+        #: Units gathered for the whole forward: the root unit, and merged units that do
+        #: not correspond to one submodule.
+        self._whole_forward: list[UnitState] = []
+        for state in units:
+            submodule = _submodule(module, state.layout.name)
+            if submodule is None:
+                self._whole_forward.append(state)
+            else:
+                self._hook_unit(submodule, state)
+        for state in units:
+            self.engine.leave_unit(state)  # module attributes hold no full parameters
+
+    def _hook_unit(self, submodule: nn.Module, state: UnitState) -> None:
+        engine = self.engine
+        submodule.register_forward_pre_hook(lambda _m, _a: engine.enter_unit(state))
+        submodule.register_forward_hook(lambda _m, _a, _o: engine.leave_unit(state))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Gather the root unit for the whole forward; block units gather around themselves."""
+        self.engine.drop_stale_prefetches()
+        with self.engine.saved_views_as_tokens():
+            for state in self._whole_forward:
+                self.engine.enter_unit(state)
+            try:
+                out = self.module(*args, **kwargs)
+            finally:
+                for state in self._whole_forward:
+                    self.engine.leave_unit(state)
+        self.engine.finish_forward()
+        return out
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so that the global gradient norm is at most ``max_norm``.
+
+        The norm is over the whole model (squared shard norms summed across ranks), as
+        ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model.
+        """
+        grads = [p.grad for p in self.shards if p.grad is not None]
+        device = self.shards[0].device if len(self.shards) else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            squares += grad.detach().float().pow(2).sum()
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(scale.to(grad.dtype))
+        return total
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds for parameter shards, gradient shards and optimizer state."""
+        params = sum(p.numel() * p.element_size() for p in self.shards)
+        grads = sum(
+            p.grad.numel() * p.grad.element_size() for p in self.shards if p.grad is not None
+        )
+        state = 0
+        if optimizer is not None:
+            for per_param in optimizer.state.values():
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        state += value.numel() * value.element_size()
+        return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+
+def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Canonical parameter name -> every (module, attribute) that holds that parameter."""
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    places: dict[str, list[tuple[nn.Module, str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        places.setdefault(canonical[id(param)], []).append((owner, attr))
+    return places
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule a unit is named after, or None (the root unit, a merged unit)."""
+    if name == ROOT_UNIT:
+        return None
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    tensor: torch.Tensor = getattr(owner, attr)
+    return tensor

@@ -1,0 +1,304 @@
+"""Shard layout: equal aligned shards, zero padding, bit-exact gather, JSON, unit grouping."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lamina.errors import ConfigError
+from lamina.memory import ROOT_UNIT, ShardLayout, UnitLayout, build_layout, group_units
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: torch's CPU allocator aligns every allocation to at least this many bytes
+CPU_ALLOC_ALIGNMENT = 64
+
+
+class Params(nn.Module):
+    """A bare module holding parameters ``p0, p1, ...`` filled with random bit patterns
+    (NaNs, infinities and subnormals included)."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], torch.dtype]], seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        for i, (shape, dtype) in enumerate(specs):
+            bits = BITS[dtype.itemsize]
+            info = torch.iinfo(bits)
+            raw = torch.randint(info.min, info.max, shape, dtype=bits, generator=gen)
+            self.register_parameter(f"p{i}", nn.Parameter(raw.view(dtype)))
+
+
+param_specs = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple),
+        st.sampled_from(DTYPES),
+    ),
+    min_size=1,
+    max_size=6,
+)
+world_sizes = st.integers(1, 8)
+alignments = st.sampled_from([2, 4, 8, 64, 512, 4096])
+
+
+def _layout(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int, seed: int = 0
+) -> tuple[Params, ShardLayout]:
+    model = Params(specs, seed)
+    # float32 needs alignment >= 4: raise the drawn alignment to the largest element
+    alignment = max(alignment, *(d.itemsize for _, d in specs))
+    return model, build_layout(model, world, alignment_bytes=alignment)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=param_specs, world=world_sizes, alignment=alignments)
+def test_shards_are_equal_sized_aligned_and_tile_the_buffer(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int
+) -> None:
+    _, layout = _layout(specs, world, alignment)
+    assert sorted(layout.param_names) == sorted(f"p{i}" for i in range(len(specs)))
+    align = layout.alignment_bytes
+    for unit in layout.units:
+        assert unit.total_numel == unit.shard_numel * world
+        ranges = [unit.shard_range(r) for r in range(world)]
+        assert all(end - start == unit.shard_numel for start, end in ranges)
+        assert [s for s, _ in ranges] == [r * unit.shard_numel for r in range(world)]
+        assert all((start * unit.element_size) % align == 0 for start, _ in ranges)
+        assert unit.shard_numel * unit.element_size % align == 0
+        # minimal padding: one more aligned block per rank would already be too much
+        assert unit.padding < world * (align // unit.element_size) or unit.used_numel == 0
+        for p in unit.params:
+            assert p.numel == math.prod(p.shape)
+            assert p.numel == 0 or (p.offset * unit.element_size) % align == 0
+        ends = [p.end for p in unit.params]
+        assert all(a <= b.offset for a, b in zip(ends, unit.params[1:], strict=False))
+    assert layout.bytes_per_rank() == sum(u.shard_numel * u.element_size for u in layout.units)
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=param_specs, world=world_sizes, alignment=alignments, seed=st.integers(0, 2**31 - 1))
+@example(  # zero-size and 0-dim parameters, a unit split by dtype, no padding needed
+    specs=[
+        ((0, 3), torch.float32),
+        ((), torch.bfloat16),
+        ((4,), torch.float32),
+        ((0,), torch.float16),
+    ],
+    world=1,
+    alignment=4,
+    seed=3,
+)
+def test_padding_is_zero_and_gathered_shards_reproduce_parameters_bit_exactly(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int, seed: int
+) -> None:
+    model, layout = _layout(specs, world, alignment, seed)
+    params = dict(model.named_parameters())
+    for unit in layout.units:
+        flat = unit.flatten(params)
+        assert flat.dtype == unit.torch_dtype and flat.shape == (unit.total_numel,)
+        covered = torch.zeros(unit.total_numel, dtype=torch.bool)
+        for p in unit.params:
+            covered[p.offset : p.end] = True
+        assert not _raw(flat[~covered]).any(), "gaps and padding must be zero bytes"
+        shards = [unit.shard_of(flat, r) for r in range(world)]
+        if unit.shard_numel and flat.data_ptr():
+            assert flat.data_ptr() % CPU_ALLOC_ALIGNMENT == 0
+            for shard in shards:
+                assert (shard.data_ptr() - flat.data_ptr()) % layout.alignment_bytes == 0
+        # what an all-gather of the per-rank shards hands back
+        gathered = torch.cat([s.clone() for s in shards])
+        views = unit.views(gathered)
+        for name, view in views.items():
+            assert view.shape == params[name].shape and view.dtype == params[name].dtype
+            assert torch.equal(_raw(view), _raw(params[name]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=param_specs, world=world_sizes, alignment=alignments)
+def test_rank_pieces_cover_every_parameter_element_once(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int
+) -> None:
+    _, layout = _layout(specs, world, alignment)
+    for unit in layout.units:
+        seen = {p.name: [0] * p.numel for p in unit.params}
+        for rank in range(world):
+            for piece in unit.pieces(rank):
+                assert piece.shard_start >= 0
+                assert piece.shard_start + piece.numel <= unit.shard_numel
+                for i in range(piece.param_start, piece.param_start + piece.numel):
+                    seen[piece.name][i] += 1
+        assert all(c == 1 for counts in seen.values() for c in counts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=param_specs, world=world_sizes, alignment=alignments)
+def test_layout_json_round_trip_and_fingerprint_are_stable(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int
+) -> None:
+    model, layout = _layout(specs, world, alignment)
+    data = json.loads(json.dumps(layout.to_json()))
+    again = ShardLayout.from_json(data)
+    assert again == layout
+    assert again.fingerprint() == layout.fingerprint()
+    rebuilt = build_layout(model, world, alignment_bytes=layout.alignment_bytes)
+    assert rebuilt.fingerprint() == layout.fingerprint()
+    other = build_layout(model, world + 1, alignment_bytes=layout.alignment_bytes)
+    assert other.fingerprint() != layout.fingerprint()
+
+
+def test_flatten_into_a_given_buffer_clears_stale_padding() -> None:
+    model = Params([((3,), torch.float32), ((2, 2), torch.float32)], seed=1)
+    (unit,) = build_layout(model, 3, alignment_bytes=16).units
+    out = torch.full((unit.total_numel,), 7.0)
+    flat = unit.flatten(dict(model.named_parameters()), out=out)
+    assert flat is out
+    assert [p.offset for p in unit.params] == [0, 4]
+    assert unit.total_numel == 12 and unit.shard_numel == 4 and unit.padding == 4
+    assert out[3].item() == 0 and not out[8:].any()
+    with pytest.raises(ConfigError, match="1-D float32 tensor of 12 elements"):
+        unit.flatten(dict(model.named_parameters()), out=torch.zeros(11))
+
+
+def test_flatten_rejects_missing_or_misshapen_tensors() -> None:
+    model = Params([((3,), torch.float32), ((2,), torch.float32)], seed=1)
+    (unit,) = build_layout(model, 2).units
+    with pytest.raises(ConfigError, match=r"no tensor given for parameters \['p1'\]"):
+        unit.flatten({"p0": torch.zeros(3)})
+    with pytest.raises(ConfigError, match="'p1' has shape"):
+        unit.flatten({"p0": torch.zeros(3), "p1": torch.zeros(5)})
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 50, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_gpt_gives_one_unit_per_block_plus_root_with_the_tied_weight_once() -> None:
+    model = TinyGPT()
+    units = group_units(model, min_unit_numel=0)
+    assert [u for u, _ in units] == [ROOT_UNIT, "blocks.0", "blocks.1", "blocks.2"]
+    root = dict(units)[ROOT_UNIT]
+    assert root == ["embed.weight", "ln_f.weight", "ln_f.bias"]
+    assert dict(units)["blocks.1"][0] == "blocks.1.ln.weight"
+    layout = build_layout(model, 4, units=units)
+    names = layout.param_names
+    assert len(names) == len(set(names)) == len(list(model.parameters()))
+    assert "head.weight" not in names and layout.unit_of("embed.weight").name == ROOT_UNIT
+    assert layout.unit_of("blocks.2.mlp.2.bias").name == "blocks.2"
+    with pytest.raises(KeyError, match=r"head\.weight"):
+        layout.unit_of("head.weight")
+    table = layout.table()
+    assert "blocks.1" in table and "padding" in table and "4 unit(s)" in table
+
+
+def test_small_blocks_merge_forward_and_a_small_tail_joins_the_group_before() -> None:
+    model = TinyGPT()  # each block: 32 + 544 + 528 = 1104 elements
+    units = group_units(model, min_unit_numel=2000)
+    assert [u for u, _ in units] == [ROOT_UNIT, "blocks.0..blocks.2"]
+    assert [u for u, _ in group_units(model, min_unit_numel=1000)][1:] == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+    ]
+    assert [u for u, _ in group_units(model)] == [ROOT_UNIT, "blocks.0..blocks.2"]
+
+
+def test_model_without_a_module_list_is_one_root_unit() -> None:
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+
+    units = group_units(Flat(), min_unit_numel=0)
+    assert units == [(ROOT_UNIT, ["a.weight", "a.bias", "b.weight", "b.bias"])]
+
+
+def test_frozen_parameters_are_left_out_and_unit_types_pick_units() -> None:
+    model = TinyGPT()
+    model.embed.weight.requires_grad_(False)
+    units = dict(group_units(model, min_unit_numel=0, unit_types=(nn.Linear,)))
+    assert "embed.weight" not in units[ROOT_UNIT]
+    assert "blocks.0.mlp.0" in units and "blocks.0.ln.weight" in units[ROOT_UNIT]
+
+
+def test_a_unit_with_mixed_dtypes_is_split_by_dtype() -> None:
+    model = TinyGPT(depth=1)
+    model.blocks[0].mlp.to(torch.bfloat16)
+    layout = build_layout(model, 2, units=group_units(model, min_unit_numel=0))
+    assert [u.name for u in layout.units] == [
+        ROOT_UNIT,
+        "blocks.0[float32]",
+        "blocks.0[bfloat16]",
+    ]
+    assert [u.dtype for u in layout.units[1:]] == ["float32", "bfloat16"]
+    assert [u.index for u in layout.units] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an integer >= 1"),
+        ({"alignment_bytes": 48}, "must be a power of two"),
+        ({"alignment_bytes": 2}, "smaller than the 4-byte elements"),
+        ({"units": [("u", ["nope"])]}, r"does not have: \['nope'\]"),
+        ({"units": [("u", ["a.weight"]), ("v", ["a.weight"])]}, "in two units"),
+        ({"units": [("u", ["b.weight"])]}, "tied alias of 'a.weight'"),
+    ],
+)
+def test_bad_settings_are_one_line_config_errors(kwargs: dict[str, object], message: str) -> None:
+    model = nn.Module()
+    model.a = nn.Linear(4, 4)
+    model.b = nn.Linear(4, 4)
+    model.b.weight = model.a.weight
+    args: dict[str, object] = {"world_size": 2, **kwargs}
+    with pytest.raises(ConfigError, match=message) as err:
+        build_layout(model, **args)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+def test_inconsistent_layout_json_is_rejected() -> None:
+    layout = build_layout(TinyGPT(), 2, units=[("u", ["blocks.0.ln.weight"])])
+    data = layout.to_json()
+    data["units"][0]["total_numel"] += 1
+    with pytest.raises(ConfigError, match="does not split into 2 aligned shards"):
+        ShardLayout.from_json(data)
+    data = layout.to_json()
+    data["units"][0]["params"][0]["offset"] = 3
+    with pytest.raises(ConfigError, match="bad offset or size"):
+        ShardLayout.from_json(data)
+    with pytest.raises(ConfigError, match="malformed"):
+        ShardLayout.from_json({"version": 1, "units": [{}]})
+    with pytest.raises(ConfigError, match="version"):
+        ShardLayout.from_json({"units": []})
+    with pytest.raises(ConfigError, match="outside world size"):
+        layout.units[0].shard_range(2)
+
+
+def test_unit_pack_needs_no_model() -> None:
+    unit = UnitLayout.pack(0, "u", torch.bfloat16, [("w", (5, 3)), ("b", (5,))], 4, 64)
+    assert [p.offset for p in unit.params] == [0, 32]
+    assert unit.shard_numel == 32 and unit.padding == 128 - 37
