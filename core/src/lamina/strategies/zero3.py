@@ -8,6 +8,7 @@ the wrapper's ``parameters()`` are this rank's flat shards (one per unit), so a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
+from lamina.memory import state as shard_state
+from lamina.memory.accounting import MemoryAccount, memory_accounting
 from lamina.memory.engine import UnitState, Zero3Engine
 from lamina.memory.gather import choose_primitive
 from lamina.memory.units import ROOT_UNIT
@@ -138,6 +141,26 @@ class ShardedDataParallel(nn.Module):
                     if isinstance(value, torch.Tensor):
                         state += value.numel() * value.element_size()
         return {"parameters": params, "gradients": grads, "optimizer_state": state}
+
+    def memory_accounting(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryAccount:
+        """This rank's model-state bytes against the ZeRO-3 formula (see ``.table()``)."""
+        return memory_accounting(self, optimizer)
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The unsharded state dict on the CPU (collective); see :mod:`lamina.memory.state`."""
+        return shard_state.full_state_dict(self, rank0_only=rank0_only)
+
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Take this rank's slice of a full state dict."""
+        shard_state.load_full_state_dict(self, full)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards as DTensors plus the layout, for ``torch.distributed.checkpoint``."""
+        return shard_state.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
+        """Copy a sharded state dict (after ``dcp.load``) back into the shards."""
+        shard_state.load_sharded_state_dict(self, sharded)
 
 
 def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:

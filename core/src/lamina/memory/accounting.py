@@ -1,0 +1,133 @@
+"""Per-rank memory of a ZeRO-3 model, measured and set against the ZeRO-3 formula.
+
+ZeRO-3 (Rajbhandari et al.) keeps ``(P + G + K) * Psi / N`` bytes of model state per
+rank: ``Psi`` parameters, ``P`` and ``G`` bytes per parameter and per gradient element,
+``K`` bytes of optimizer state per parameter, ``N`` ranks. With fp32 parameters and
+AdamW (two fp32 moments) that is ``(4 + 4 + 8) * Psi / N``. The measured figures count
+the shards this rank really holds (alignment padding included), so the measured total
+exceeds the formula by about the padding fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lamina.strategies.zero3 import ShardedDataParallel
+
+
+@dataclass(frozen=True)
+class MemoryAccount:
+    """One rank's model-state bytes, and the ZeRO-3 formula for the same model."""
+
+    rank: int
+    world_size: int
+    #: Psi: parameters in the shard layout, without padding.
+    param_count: int
+    #: Elements this rank's shards hold (padding included).
+    local_numel: int
+    parameter_bytes: int
+    gradient_bytes: int
+    #: Every optimizer state tensor of this rank's shards (per-element and scalar).
+    optimizer_bytes: int
+    #: P: bytes per parameter element (averaged over units if their dtypes differ).
+    param_element_size: float
+    #: G: bytes per gradient element (the parameter dtype's).
+    grad_element_size: float
+    #: K: bytes of per-element optimizer state per local element (AdamW fp32: 8).
+    optimizer_bytes_per_param: float
+
+    @property
+    def measured_total(self) -> int:
+        """Parameter, gradient and optimizer state bytes this rank holds."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def formula(self) -> float:
+        """``(P + G + K) * Psi / N`` in bytes."""
+        per_param = self.param_element_size + self.grad_element_size
+        per_param += self.optimizer_bytes_per_param
+        return per_param * self.param_count / self.world_size
+
+    @property
+    def ratio(self) -> float:
+        """Measured total over the formula (1.0 plus padding, for a model that has run)."""
+        return self.measured_total / self.formula if self.formula else float("nan")
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding elements over ``Psi``, across all ranks' shards."""
+        padded = self.local_numel * self.world_size
+        return (padded - self.param_count) / self.param_count if self.param_count else 0.0
+
+    def table(self) -> str:
+        """A readable table of the measured bytes against the formula."""
+        p, g, k = self.param_element_size, self.grad_element_size, self.optimizer_bytes_per_param
+        rows = [
+            ("parameters", _mib(self.parameter_bytes), f"{self.parameter_bytes:,} B"),
+            ("gradients", _mib(self.gradient_bytes), f"{self.gradient_bytes:,} B"),
+            ("optimizer state", _mib(self.optimizer_bytes), f"{self.optimizer_bytes:,} B"),
+            ("measured total", _mib(self.measured_total), f"{self.measured_total:,} B"),
+            (
+                "ZeRO-3 (P+G+K)Psi/N",
+                _mib(self.formula),
+                f"({p:g}+{g:g}+{k:g}) x {self.param_count:,} / {self.world_size}",
+            ),
+            ("measured / formula", f"{self.ratio:.4f}", f"padding {self.padding_fraction:.2%}"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        size = max(len(r[1]) for r in rows)
+        head = f"rank {self.rank} of {self.world_size}: model state per rank"
+        return "\n".join([head, *(f"{a:<{width}}  {b:>{size}}  {c}" for a, b, c in rows)])
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def memory_accounting(
+    model: ShardedDataParallel, optimizer: torch.optim.Optimizer | None = None
+) -> MemoryAccount:
+    """Measure this rank's parameter, gradient and optimizer-state bytes of ``model``.
+
+    Gradients are counted where they exist: call it after ``backward`` (or ``step``) and
+    before ``zero_grad(set_to_none=True)`` to see them. Optimizer state is counted for
+    ``model``'s shards only; ``K`` counts state tensors with one value per element
+    (AdamW's moments), not scalars such as ``step``.
+    """
+    shards = list(model.shards)
+    ids = {id(p) for p in shards}
+    local = sum(p.numel() for p in shards)
+    param_bytes = sum(p.numel() * p.element_size() for p in shards)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in shards if p.grad is not None)
+    state_bytes = per_element = 0
+    if optimizer is not None:
+        for param, per_param in optimizer.state.items():
+            if not isinstance(param, torch.Tensor) or id(param) not in ids:
+                continue
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    size = value.numel() * value.element_size()
+                    state_bytes += size
+                    if value.numel() == param.numel():
+                        per_element += size
+    units = model.layout.units
+    psi = sum(p.numel for u in units for p in u.params)
+    weighted = sum(p.numel * u.element_size for u in units for p in u.params)
+    elem = weighted / psi if psi else 0.0
+    return MemoryAccount(
+        rank=dist.get_rank(model.group),
+        world_size=model.layout.world_size,
+        param_count=psi,
+        local_numel=local,
+        parameter_bytes=param_bytes,
+        gradient_bytes=grad_bytes,
+        optimizer_bytes=state_bytes,
+        param_element_size=elem,
+        grad_element_size=elem,
+        optimizer_bytes_per_param=per_element / local if local else 0.0,
+    )
