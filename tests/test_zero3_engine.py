@@ -18,9 +18,8 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered back from the shards (layout views of the full buffer)."""
     out = {}
     for state in model.engine.units:  # type: ignore[union-attr]
-        full = state.wait_gather()
+        full = state.gather_master()
         out.update({k: v.detach().clone() for k, v in state.layout.views(full).items()})
-        state.release()
     return out
 
 
@@ -155,3 +154,42 @@ def test_block_units_are_freed_after_forward_and_gathered_again_in_backward() ->
         for name in ("blocks.0", "blocks.1"):  # once in forward, once in backward, per step
             assert gathers[name] == 2 * result["steps"], result
         assert result["held"] == [], result  # no full parameters between steps
+
+
+def _mixed_precision() -> dict[str, object]:
+    runtime = lamina.init()
+    reference = build("gpt")
+    ours = lamina.distribute(
+        copy.deepcopy(reference), "zero3", min_unit_numel=0, param_dtype=torch.bfloat16
+    )
+    ddp = DDP(reference)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    dtypes = set()
+    for step in range(3):
+        x, y = batch("gpt", step, runtime.rank)
+        out = ours(x)
+        dtypes.add(out.dtype)
+        loss_of("gpt", out.float(), y).backward()
+        loss_of("gpt", ddp(x), y).backward()
+        grad_dtypes = {p.grad.dtype for p in ours.parameters() if p.grad is not None}
+        for opt in (opt_ours, opt_ddp):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    gathered = _full_params(ours)
+    diff = max((gathered[n] - p).abs().max().item() for n, p in ddp.module.named_parameters())
+    return {
+        "diff": diff,
+        "out": dtypes,
+        "grads": grad_dtypes,
+        "shards": {p.dtype for p in ours.parameters()},
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_mixed_precision_computes_in_bf16_and_reduces_in_fp32() -> None:
+    for result in run_ranks(_mixed_precision, 2, timeout=150):
+        assert result["out"] == {torch.bfloat16}, result
+        assert result["grads"] == {torch.float32} and result["shards"] == {torch.float32}
+        assert result["diff"] <= 5e-3, result  # bf16 compute tracks the fp32 run

@@ -36,6 +36,8 @@ class UnitState:
     rank: int
     primitive: Primitive
     group: dist.ProcessGroup | None
+    #: Dtype of the gathered parameters (mixed precision); None: the shard's dtype.
+    compute_dtype: torch.dtype | None = None
     full: torch.Tensor | None = None
     pending: Any = None
     gathers: int = field(default=0)
@@ -44,13 +46,11 @@ class UnitState:
         """Begin gathering the full buffer (asynchronously where the backend allows)."""
         if self.full is not None or self.pending is not None:
             return
-        buffer = torch.empty(
-            self.layout.total_numel, dtype=self.shard.dtype, device=self.shard.device
-        )
+        dtype = self.compute_dtype or self.shard.dtype
+        buffer = torch.empty(self.layout.total_numel, dtype=dtype, device=self.shard.device)
         with torch.no_grad():
-            work = gather_full(
-                self.shard.detach(), buffer, self.rank, self.primitive, self.group, async_op=True
-            )
+            source = self.shard.detach().to(dtype)  # mixed precision: gather fewer bytes
+            work = gather_full(source, buffer, self.rank, self.primitive, self.group, async_op=True)
         self.pending = (buffer, work)
         self.gathers += 1
 
@@ -63,6 +63,20 @@ class UnitState:
                 work.wait()
             self.full, self.pending = buffer, None
         return self.full
+
+    def gather_master(self) -> torch.Tensor:
+        """The full buffer in the shard's own dtype (fp32 master weights under mixed
+        precision), gathered now, apart from the buffer forward and backward use."""
+        buffer = torch.empty(
+            self.layout.total_numel, dtype=self.shard.dtype, device=self.shard.device
+        )
+        with torch.no_grad():
+            gather_full(self.shard.detach(), buffer, self.rank, self.primitive, self.group)
+        return buffer
+
+    def views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameters as views of the full buffer ``full`` (any dtype)."""
+        return {p.name: full[p.offset : p.end].view(p.shape) for p in self.layout.params}
 
     def release(self) -> None:
         """Drop the full buffer and any gather still in flight (finished first, so that
@@ -88,6 +102,8 @@ class _GatherUnit(torch.autograd.Function):
     def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         unit: UnitState = ctx.unit
         world = unit.layout.world_size
+        # reduce in the shard's dtype (fp32 master weights under mixed precision)
+        grad_full = grad_full.to(unit.shard.dtype)
         grad = reduce_scatter_mean(grad_full, unit.rank, world, unit.primitive, unit.group)
         unit.release()
         return grad, None
@@ -113,7 +129,7 @@ class Zero3Engine:
         nxt = self._next_after(unit)
         if nxt is not None:
             nxt.start_gather()
-        views = unit.layout.views(full)
+        views = unit.views(full)
         for name, view in views.items():
             for module, attr in unit.places[name]:
                 setattr(module, attr, view)

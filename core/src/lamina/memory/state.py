@@ -55,13 +55,7 @@ def _gathered_units(
 ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor]]]:
     """Each unit with views of its full parameters (gathered: collective on every rank)."""
     for state in model.engine.units:
-        held = state.full is not None
-        full = state.wait_gather()
-        try:
-            yield state, state.layout.views(full)
-        finally:
-            if not held:
-                state.release()
+        yield state, state.layout.views(state.gather_master())
 
 
 def full_state_dict(

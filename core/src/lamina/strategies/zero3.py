@@ -32,6 +32,10 @@ class ShardedDataParallel(nn.Module):
     the root unit). A unit named after one submodule is gathered around that
     submodule's forward and freed after it; the root unit and merged units are gathered
     for the whole forward. Every unit is gathered again in backward when needed.
+    ``param_dtype`` (e.g. ``torch.bfloat16``) turns on mixed precision: shards and the
+    optimizer stay in their dtype (fp32 master weights), units are gathered and computed
+    in ``param_dtype`` (half the gather bytes), floating inputs are cast to it, and
+    gradients are reduced in the shard's dtype (fp32).
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class ShardedDataParallel(nn.Module):
         group: dist.ProcessGroup | None = None,
         alignment_bytes: int = 512,
         min_unit_numel: int = 1 << 16,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -68,8 +73,17 @@ class ShardedDataParallel(nn.Module):
                 full = unit.flatten({n: t.detach() for n, t in named.items()})
                 shard = nn.Parameter(unit.shard_of(full, rank).clone())
             units.append(
-                UnitState(unit, shard, {n: places[n] for n in named}, rank, primitive, group)
+                UnitState(
+                    unit,
+                    shard,
+                    {n: places[n] for n in named},
+                    rank,
+                    primitive,
+                    group,
+                    compute_dtype=param_dtype,
+                )
             )
+        self.param_dtype = param_dtype
         for state in units:
             for module_places in state.places.values():
                 for owner, attr in module_places:
@@ -98,6 +112,8 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Gather the root unit for the whole forward; block units gather around themselves."""
         self.engine.drop_stale_prefetches()
+        if self.param_dtype is not None:  # mixed precision: floating inputs in param dtype
+            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
         with self.engine.saved_views_as_tokens():
             for state in self._whole_forward:
                 self.engine.enter_unit(state)
@@ -172,6 +188,18 @@ def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
         owner = module.get_submodule(owner_name) if owner_name else module
         places.setdefault(canonical[id(param)], []).append((owner, attr))
     return places
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floats(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:
