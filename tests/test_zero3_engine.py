@@ -122,10 +122,12 @@ def test_clip_grad_norm_uses_the_global_norm() -> None:
         assert abs(ours - ddp) <= 1e-5 * max(1.0, ddp)
 
 
-def _per_block_units() -> dict[str, object]:
+def _per_block_units(reshard: bool = True) -> dict[str, object]:
     runtime = lamina.init()
     reference = build("gpt")
-    ours = lamina.distribute(copy.deepcopy(reference), "zero3", min_unit_numel=0)
+    ours = lamina.distribute(
+        copy.deepcopy(reference), "zero3", min_unit_numel=0, reshard_after_forward=reshard
+    )
     ddp = DDP(reference)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
@@ -146,13 +148,17 @@ def _per_block_units() -> dict[str, object]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_block_units_are_freed_after_forward_and_gathered_again_in_backward() -> None:
-    for result in run_ranks(_per_block_units, 2, timeout=150):
+@pytest.mark.parametrize("reshard", [True, False])
+def test_block_units_are_freed_after_forward_and_gathered_again_in_backward(
+    reshard: bool,
+) -> None:
+    for result in run_ranks(_per_block_units, 2, args=(reshard,), timeout=150):
         assert result["diff"] <= 1e-5, result
         gathers = result["gathers"]
         assert isinstance(gathers, dict) and {"blocks.0", "blocks.1", "(root)"} <= set(gathers)
-        for name in ("blocks.0", "blocks.1"):  # once in forward, once in backward, per step
-            assert gathers[name] == 2 * result["steps"], result
+        per_step = 2 if reshard else 1  # forward, and again in backward when resharded
+        for name in ("blocks.0", "blocks.1"):
+            assert gathers[name] == per_step * result["steps"], result
         assert result["held"] == [], result  # no full parameters between steps
 
 

@@ -112,9 +112,14 @@ class _GatherUnit(torch.autograd.Function):
 class Zero3Engine:
     """Installs and removes gathered parameter views around each unit's forward."""
 
-    def __init__(self, units: list[UnitState], root: nn.Module) -> None:
+    def __init__(
+        self, units: list[UnitState], root: nn.Module, reshard_after_forward: bool = True
+    ) -> None:
         self.units = units
         self.root = root
+        #: False keeps each unit's full buffer from its forward until its backward
+        #: (less communication, more memory).
+        self.reshard_after_forward = reshard_after_forward
         self._by_storage: dict[int, UnitState] = {}
         self._forward_order: list[UnitState] = []
         self._recording = True
@@ -135,13 +140,15 @@ class Zero3Engine:
                 setattr(module, attr, view)
 
     def leave_unit(self, unit: UnitState) -> None:
-        """Drop the views and the buffer; autograd keeps tokens, not the buffer."""
+        """Drop the views and (when resharding after forward) the buffer; autograd keeps
+        tokens, not the buffer, and backward gathers the unit again."""
         for places in unit.places.values():
             for module, attr in places:
                 setattr(module, attr, _EMPTY)
         if unit.full is not None:
             self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
-        unit.release()
+        if self.reshard_after_forward:
+            unit.release()
 
     def drop_stale_prefetches(self) -> None:
         """Before a forward: no unit keeps a buffer gathered before the optimizer step."""
