@@ -34,9 +34,9 @@ def test_results_come_back_in_rank_order() -> None:
 def test_timeout_kills_every_rank_and_names_the_stuck_one() -> None:
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
-        run_ranks(_sleep_on_rank_zero, 2, timeout=8)
+        run_ranks(_sleep_on_rank_zero, 2, timeout=20)  # room for a slow spawn under load
     assert info.value.ranks == [0]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 45
 
 
 def test_rank_dying_without_report_fails_the_run() -> None:

@@ -33,3 +33,8 @@ class MeshError(ConfigError):
 
 class KernelError(LaminaError, LookupError):
     """A kernel name or kernel implementation is unknown, or its arguments are wrong."""
+
+
+class VerificationError(LaminaError, RuntimeError):
+    """Ranks of one job disagree on what they are about to run (or one never arrived); the
+    message names the ranks and the first difference."""

@@ -93,6 +93,10 @@ class Runtime:
     kernels: KernelLauncher
     plugins: PluginRegistry
     owns_process_group: bool
+    #: Group for lamina's own CPU-object collectives (topology gather, pre-flight
+    #: verification): a gloo group where the collective backend cannot carry CPU
+    #: tensors, else the default group (``None``).
+    control_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -154,7 +158,8 @@ def init(
     handle.set_device(device)
     owns = _init_process_group(chosen, launch, timeout)
     try:
-        topo = _build_topology(topology, chosen, plugins, launch)
+        control = _control_group(chosen, launch)
+        topo = _build_topology(topology, chosen, plugins, launch, control)
         device_mesh = _build_mesh(mesh, chosen.device_type, topo)
     except BaseException:
         if owns and dist.is_initialized():  # leave nothing half-built behind
@@ -173,6 +178,7 @@ def init(
         KernelLauncher(plugins.kernels, chosen.name),
         plugins,
         owns,
+        control,
     )
     return _RUNTIME
 
@@ -187,6 +193,7 @@ def shutdown() -> None:
     # still referenced at interpreter exit can abort the process ("terminate called
     # without an active exception").
     runtime.mesh.release()
+    runtime.control_group = None
     gc.collect()
     if runtime.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -240,6 +247,7 @@ def _build_topology(
     backend: Backend,
     plugins: PluginRegistry,
     launch: LaunchEnv,
+    control: dist.ProcessGroup | None,
 ) -> Topology:
     source = declared if declared is not None else os.environ.get(TOPOLOGY_ENV) or None
     if isinstance(source, Topology):
@@ -251,11 +259,7 @@ def _build_topology(
         if launch.world_size == 1:
             return merge_host_topologies([piece])
         pieces: list[HostTopology | None] = [None] * launch.world_size
-        control = backend.control_backend
-        group = dist.new_group(backend=control) if control else None
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise RuntimeError(f"rank {launch.rank} is not a member of the {control} group")
-        dist.all_gather_object(pieces, piece, group=group)
+        dist.all_gather_object(pieces, piece, group=control)
         return merge_host_topologies([p for p in pieces if p is not None])
     if topo.world_size != launch.world_size:
         raise ConfigError(
@@ -263,6 +267,17 @@ def _build_topology(
             f"{launch.world_size}; use a topology file for this job size"
         )
     return topo
+
+
+def _control_group(backend: Backend, launch: LaunchEnv) -> dist.ProcessGroup | None:
+    """A ``control_backend`` group over all ranks, or None (use the default group)."""
+    control = backend.control_backend
+    if not control or launch.world_size == 1:
+        return None
+    group = dist.new_group(backend=control)
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"rank {launch.rank} is not a member of the {control} group")
+    return group
 
 
 def _discover_host(backend: Backend, plugins: PluginRegistry, launch: LaunchEnv) -> HostTopology:

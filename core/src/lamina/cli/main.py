@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from lamina.cli.plan import add_plan_parsers
 from lamina.cli.run import add_run_parser
 from lamina.errors import LaminaError
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the report as JSON")
     info.set_defaults(func=_cmd_info)
     add_run_parser(sub)
+    add_plan_parsers(sub)
     return parser
 
 

@@ -9,6 +9,10 @@ gradients; on CPU the host's queue and gloo's worker thread), while backward goe
 computing the next buckets. A callback
 queued on the autograd engine runs when backward ends: it launches what did not fill,
 waits for every collective, and leaves averaged gradients for the optimizer.
+
+The strategy names each bucket's collective after its execution-plan node and may give
+a bucket a :class:`~lamina.comm.codecs.Codec`; an ``observer`` (the run log) hears
+every collective issued and every codec fallback taken.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lamina.comm.buckets import Bucket, BucketPlan
+from lamina.comm.codecs import Codec
 from lamina.device.handle import DeviceHandle, Stream
 from lamina.errors import NotSupportedError
 
@@ -36,8 +41,21 @@ class _BucketState:
     buffer: torch.Tensor
     params: list[nn.Parameter]
     views: list[torch.Tensor]
+    node: str = ""
+    codec: Codec | None = None
     ready: set[int] = field(default_factory=set)
     work: Any = None
+    wire: torch.Tensor | None = None
+
+
+class CommObserver(Protocol):
+    """Hears what the reducer issues (``lamina.runtime.RunLog`` is one)."""
+
+    def issued(self, node_id: str, nbytes: int | None = None) -> None:
+        """The collective of plan node ``node_id`` was issued."""
+
+    def fallback(self, node_id: str, alternative: str, reason: str) -> object:
+        """Plan node ``node_id`` switched to ``alternative`` at run time."""
 
 
 @dataclass
@@ -48,10 +66,16 @@ class ReducerStats:
     launched_at_end: int = 0
     grads_copied: int = 0
     stray_params: int = 0
+    codec_fallbacks: int = 0
 
 
 class GradientReducer:
-    """Averages the gradients of ``named_params`` across ``group`` according to ``plan``."""
+    """Averages the gradients of ``named_params`` across ``group`` according to ``plan``.
+
+    ``bucket_nodes[i]`` names bucket i's collective (default ``bucket<i>``),
+    ``codecs[i]`` compresses it, ``excluded_node`` names the all-reduce of gradients of
+    parameters the plan excluded, and ``observer`` is told about each collective.
+    """
 
     def __init__(
         self,
@@ -59,13 +83,24 @@ class GradientReducer:
         named_params: dict[str, nn.Parameter],
         group: dist.ProcessGroup | None = None,
         handle: DeviceHandle | None = None,
+        *,
+        bucket_nodes: list[str] | None = None,
+        codecs: dict[int, Codec] | None = None,
+        excluded_node: str = "excluded",
+        observer: CommObserver | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.sync_enabled = True
         self.stats = ReducerStats()
+        self.observer = observer
+        self._excluded_node = excluded_node
         self._buckets = [self._allocate(b, named_params) for b in plan.buckets]
+        for state in self._buckets:
+            index = state.plan.index
+            state.node = bucket_nodes[index] if bucket_nodes else f"bucket{index}"
+            state.codec = (codecs or {}).get(index)
         self._where: dict[nn.Parameter, tuple[_BucketState, int]] = {}
         for state in self._buckets:
             for k, param in enumerate(state.params):
@@ -123,14 +158,42 @@ class GradientReducer:
             state.work = _DONE
             return
         if self._handle is None or self.comm_stream is None:
-            state.buffer.div_(self.world_size)
-            state.work = dist.all_reduce(state.buffer, group=self.group, async_op=True)
+            self._issue(state)
             return
         # the bucket's gradients were written on the compute stream: order after them
         self.comm_stream.wait_stream(self._handle.current_stream())
         with self._handle.use_stream(self.comm_stream):
-            state.buffer.div_(self.world_size)
-            state.work = dist.all_reduce(state.buffer, group=self.group, async_op=True)
+            self._issue(state)
+
+    def _issue(self, state: _BucketState) -> None:
+        state.buffer.div_(self.world_size)
+        payload = state.buffer
+        if state.codec is not None:
+            payload = state.wire = state.codec.encode(state.buffer)
+        state.work = dist.all_reduce(payload, group=self.group, async_op=True)
+        if self.observer is not None:
+            self.observer.issued(state.node, payload.numel() * payload.element_size())
+
+    def _complete(self, state: _BucketState) -> None:
+        """Wait for the bucket; decode a compressed one (resent uncompressed on overflow)."""
+        state.work.wait()
+        state.work = None
+        wire, state.wire = state.wire, None
+        if wire is None or state.codec is None:
+            return
+        if bool(torch.isfinite(wire).all()):  # the same bits on every rank: same decision
+            state.codec.decode(wire, state.buffer)
+            return
+        self.stats.codec_fallbacks += 1
+        if self.observer is not None:
+            self.observer.fallback(
+                state.node,
+                "uncompressed",
+                f"codec {state.codec.name} overflowed: resent uncompressed",
+            )
+        dist.all_reduce(state.buffer, group=self.group)  # still holds this rank's mean share
+        if self.observer is not None:
+            self.observer.issued(state.node, state.buffer.numel() * state.buffer.element_size())
 
     def _finish_backward(self) -> None:
         """End of backward: launch partial buckets, wait for all, reset for the next step."""
@@ -144,8 +207,7 @@ class GradientReducer:
                     self._launch(state)
                     self.stats.launched_at_end += 1
             for state in self._buckets:
-                state.work.wait()
-                state.work = None
+                self._complete(state)
                 state.ready.clear()
             if self._handle is not None and self.comm_stream is not None:
                 self._handle.current_stream().wait_stream(self.comm_stream)
@@ -164,6 +226,9 @@ class GradientReducer:
                 param.grad.div_(self.world_size)
                 dist.all_reduce(param.grad, group=self.group)
                 self.stats.stray_params += 1
+                if self.observer is not None:
+                    nbytes = param.grad.numel() * param.grad.element_size()
+                    self.observer.issued(self._excluded_node, nbytes)
 
     # -- user-facing controls ------------------------------------------------------------
     @contextmanager

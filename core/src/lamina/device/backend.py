@@ -57,6 +57,10 @@ class Backend(abc.ABC):
     #: for xla); ``None``: use the default group.
     control_backend: str | None = None
 
+    #: Collective ops the collective backend lacks (``"reduce_scatter"``,
+    #: ``"all_gather"``); plans use their declared all-reduce alternatives instead.
+    unsupported_collectives: frozenset[str] = frozenset()
+
     @abc.abstractmethod
     def availability(self) -> Availability:
         """Probe (without side effects beyond importing the vendor package) whether it runs."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,13 @@ from torch import nn
 
 from lamina.memory.gather import Primitive, gather_full, reduce_scatter_mean
 from lamina.memory.layout import UnitLayout
+
+
+class GatherObserver(Protocol):
+    """Hears every collective a unit issues, by execution-plan node id."""
+
+    def issued(self, node_id: str, nbytes: int | None = None) -> None:
+        """The collective of plan node ``node_id`` was issued."""
 
 
 @dataclass
@@ -38,12 +45,22 @@ class UnitState:
     group: dist.ProcessGroup | None
     #: Dtype of the gathered parameters (mixed precision); None: the shard's dtype.
     compute_dtype: torch.dtype | None = None
+    #: Primitive of the gradient reduce-scatter (None: ``primitive``).
+    scatter_primitive: Primitive | None = None
+    #: Plan node ids: ``{"fwd": ..., "bwd": ..., "scatter": ...}`` and who hears them.
+    nodes: dict[str, str] = field(default_factory=dict)
+    observer: GatherObserver | None = None
     full: torch.Tensor | None = None
     pending: Any = None
     gathers: int = field(default=0)
 
-    def start_gather(self) -> None:
-        """Begin gathering the full buffer (asynchronously where the backend allows)."""
+    def _issued(self, role: str) -> None:
+        if self.observer is not None and self.layout.world_size > 1:
+            self.observer.issued(self.nodes.get(role, f"{self.layout.name}.{role}"))
+
+    def start_gather(self, phase: str = "fwd") -> None:
+        """Begin gathering the full buffer (asynchronously where the backend allows);
+        ``phase`` ("fwd"/"bwd") names the plan node it serves."""
         if self.full is not None or self.pending is not None:
             return
         dtype = self.compute_dtype or self.shard.dtype
@@ -51,13 +68,14 @@ class UnitState:
         with torch.no_grad():
             source = self.shard.detach().to(dtype)  # mixed precision: gather fewer bytes
             work = gather_full(source, buffer, self.rank, self.primitive, self.group, async_op=True)
+        self._issued(phase)
         self.pending = (buffer, work)
         self.gathers += 1
 
-    def wait_gather(self) -> torch.Tensor:
+    def wait_gather(self, phase: str = "fwd") -> torch.Tensor:
         """The full buffer, gathering now if no gather is in flight."""
         if self.full is None:
-            self.start_gather()
+            self.start_gather(phase)
             buffer, work = self.pending
             if work is not None:
                 work.wait()
@@ -104,7 +122,9 @@ class _GatherUnit(torch.autograd.Function):
         world = unit.layout.world_size
         # reduce in the shard's dtype (fp32 master weights under mixed precision)
         grad_full = grad_full.to(unit.shard.dtype)
-        grad = reduce_scatter_mean(grad_full, unit.rank, world, unit.primitive, unit.group)
+        primitive = unit.scatter_primitive or unit.primitive
+        grad = reduce_scatter_mean(grad_full, unit.rank, world, primitive, unit.group)
+        unit._issued("scatter")
         unit.release()
         return grad, None
 
@@ -195,10 +215,10 @@ class Zero3Engine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Token):
             return packed  # type: ignore[no-any-return]
-        full = packed.unit.wait_gather()
+        full = packed.unit.wait_gather("bwd")
         previous = self._previous_of(packed.unit)
         if previous is not None:
-            previous.start_gather()  # backward runs the units in reverse
+            previous.start_gather("bwd")  # backward runs the units in reverse
         view = full.as_strided(packed.shape, packed.stride, packed.offset)
         return view
 

@@ -4,7 +4,8 @@ On NCCL (and other device backends) they are ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``. On gloo both are about twice as slow as an all-reduce of the
 same buffer (measured: 64 MB reduce_scatter/all_gather ~140 ms vs all_reduce ~75 ms on
 2 ranks), so there the gather is an all-reduce of a zero buffer holding this rank's shard
-and the reduce-scatter is an all-reduce followed by taking this rank's slice.
+and the reduce-scatter is an all-reduce followed by taking this rank's slice. Which
+form a unit uses is decided by its execution plan (:mod:`lamina.runtime.primitives`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ import torch
 import torch.distributed as dist
 
 Primitive = Literal["native", "all_reduce"]
-
-
-def choose_primitive(group: dist.ProcessGroup | None = None) -> Primitive:
-    """``"all_reduce"`` on gloo (faster there, see module doc), ``"native"`` elsewhere."""
-    return "all_reduce" if dist.get_backend(group) == "gloo" else "native"
 
 
 def gather_full(

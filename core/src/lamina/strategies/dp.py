@@ -2,7 +2,10 @@
 
 Unlike torch DDP, which learns bucket order during the first iteration and rebuilds, the
 bucket plan here comes from the captured forward graph before the first backward: the
-order parameters are first used gives the order their gradients become ready.
+order parameters are first used gives the order their gradients become ready. The
+graph and bucket plan become an :class:`~lamina.runtime.ExecutionPlan`; every rank
+verifies that it matches the others' before the first collective (the wrap-time
+broadcast), and the reducer, codecs and compiled forward run from its nodes.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ import torch.distributed as dist
 from torch import nn
 
 from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, auto_bucket_cap, plan_buckets
+from lamina.comm.codecs import Codec, get_codec, self_check
 from lamina.comm.reducer import GradientReducer
 from lamina.device.handle import DeviceHandle
 from lamina.errors import ConfigError
-from lamina.graph import CapturedGraph, capture
+from lamina.graph import CAPTURE_METHODS, CapturedGraph, capture
+from lamina.runtime import ExecutionPlan, RunLog
+from lamina.runtime import build_dp as plan_dp
+from lamina.runtime.compiled import CompiledForward, compile_backend_of
+from lamina.strategies.coalesced import broadcast_coalesced, dtype_totals
+from lamina.strategies.preflight import before_first_collective
+from lamina.verify import PreflightReport
 
 
 class DataParallel(nn.Module):
@@ -30,6 +40,12 @@ class DataParallel(nn.Module):
     Parameters and buffers are broadcast from the group's first rank at wrap time, and
     buffers again before every training forward (as torch DDP does), so every rank
     holds the same model. The wrapped module's ``parameters()`` go to a stock optimizer.
+
+    ``codec`` (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`) compresses
+    fp32 buckets on the wire; ``compile`` (``True`` or a ``torch.compile`` backend name)
+    runs the forward compiled; ``capture_methods`` limits the graph capture paths;
+    ``verify=False`` skips the pre-flight cross-rank check. Each optional path has a
+    declared fallback in :attr:`execution_plan`; :meth:`step_summary` shows those taken.
     """
 
     def __init__(
@@ -45,6 +61,10 @@ class DataParallel(nn.Module):
         alignment_bytes: int = 512,
         broadcast_buffers: bool = True,
         strict: bool = False,
+        codec: str | Codec | None = None,
+        compile: bool | str = False,
+        capture_methods: tuple[str, ...] = CAPTURE_METHODS,
+        verify: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -64,20 +84,28 @@ class DataParallel(nn.Module):
         self._first_bytes = int(first_bucket_mb * MIB)
         self._alignment = alignment_bytes
         self._strict = strict
+        self._codec = get_codec(codec)
+        self._compile_backend = compile_backend_of(compile)
+        self._capture_methods = capture_methods
+        self._verify = verify
         self._source = dist.get_global_rank(group, 0) if group is not None else 0
         self.graph: CapturedGraph | None = None
         self.plan: BucketPlan | None = None
+        self.execution_plan: ExecutionPlan | None = None
+        self.run_log: RunLog | None = None
+        self.preflight: PreflightReport | None = None
         self.reducer: GradientReducer | None = None
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        self._forward: CompiledForward | None = None
         if example_inputs is not None or example_kwargs is not None:
             self.prepare(example_inputs or (), example_kwargs or {})
 
     # -- planning ------------------------------------------------------------------------
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BucketPlan:
-        """Capture the graph from example inputs, plan the buckets and install the reducer."""
+        """Capture the graph from example inputs, plan the step, verify the plan across
+        ranks, broadcast rank 0's state and install the reducer."""
         if self.plan is not None:
             return self.plan
-        self.graph = capture(self.module, args, kwargs)
+        self.graph = capture(self.module, args, kwargs, methods=self._capture_methods)  # type: ignore[arg-type]
         named = dict(self.module.named_parameters())
         specs = [
             ParamSpec(name, tuple(named[name].shape), named[name].dtype)
@@ -94,16 +122,82 @@ class DataParallel(nn.Module):
             unused=self.graph.unused,
             strict=self._strict,
         )
-        self.reducer = GradientReducer(self.plan, named, self.group, self.handle)
+        execution = self._build_execution_plan(self.plan)
+        self.preflight = before_first_collective(
+            execution, self.module, verify=self._verify, graph=self.graph
+        )
+        self.execution_plan, self.run_log = execution, RunLog(execution)
+        self._broadcast_state(execution, "setup")
+        self.reducer = GradientReducer(
+            self.plan,
+            named,
+            self.group,
+            self.handle,
+            bucket_nodes=[plan_dp.bucket_node(b.index) for b in self.plan.buckets],
+            codecs=self._bucket_codecs(execution),
+            excluded_node=plan_dp.EXCLUDED,
+            observer=self.run_log,
+        )
+        if self._compile_backend is not None:
+            self._forward = CompiledForward(
+                self.module, self._compile_backend, self.run_log, plan_dp.FORWARD
+            )
         return self.plan
+
+    def _build_execution_plan(self, buckets: BucketPlan) -> ExecutionPlan:
+        assert self.graph is not None
+        from lamina.session import current
+
+        runtime = current()
+        device = next(self.module.parameters()).device
+        checks = {}
+        if self._codec is not None:
+            for dtype in {b.dtype for b in buckets.buckets}:
+                checks[dtype] = self_check(self._codec, getattr(torch, dtype), device)
+        return plan_dp.build_dp_plan(
+            plan_dp.DPPlanInputs(
+                graph=self.graph,
+                buckets=buckets,
+                group=tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD)),
+                backend=runtime.backend.name if runtime is not None else "unknown",
+                pg_backend=str(dist.get_backend(self.group)),
+                setup_state=dtype_totals([*self.module.parameters(), *self.module.buffers()]),
+                step_buffers=dtype_totals(list(self.module.buffers()))
+                if self.broadcast_buffers
+                else [],
+                codec=self._codec,
+                codec_checks=checks,
+                compile_backend=self._compile_backend,
+            )
+        )
+
+    def _bucket_codecs(self, execution: ExecutionPlan) -> dict[int, Codec]:
+        if self._codec is None or execution.world_size == 1:
+            return {}
+        return {
+            b.index: self._codec
+            for b in (self.plan.buckets if self.plan is not None else ())
+            if execution.node(plan_dp.bucket_node(b.index)).attr("codec") != "none"
+        }
+
+    def step_summary(self) -> str:
+        """One line: collectives of the last step and every fallback taken."""
+        if self.run_log is None:
+            return "not planned yet (no forward so far)"
+        return self.run_log.summary()
 
     # -- running -------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; the first call plans if no example was given."""
         if self.plan is None:
             self.prepare(args, kwargs)
-        if self.broadcast_buffers and self.module.training and torch.is_grad_enabled():
-            self._broadcast(list(self.module.buffers()))
+        assert self.execution_plan is not None and self.run_log is not None
+        if self.module.training and torch.is_grad_enabled():
+            self.run_log.begin_step()
+            if self.broadcast_buffers:
+                self._broadcast_state(self.execution_plan, "forward")
+        if self._forward is not None:
+            return self._forward(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -118,9 +212,17 @@ class DataParallel(nn.Module):
         with self.reducer.no_sync():
             yield
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        if dist.get_world_size(self.group) == 1:
-            return
-        with torch.no_grad():
-            for tensor in tensors:
-                dist.broadcast(tensor.data, src=self._source, group=self.group)
+    def _broadcast_state(self, execution: ExecutionPlan, phase: str) -> None:
+        """Run the plan's broadcast nodes of ``phase``: parameters and buffers at setup,
+        buffers before each training forward; one coalesced broadcast per dtype."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        if phase != "setup":
+            tensors = list(self.module.buffers())
+        for node in execution.collectives():
+            if node.phase == phase and node.collective and node.collective.op == "broadcast":
+                dtype = node.collective.dtype
+                chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
+                broadcast_coalesced(chosen, self._source, self.group)
+                assert self.run_log is not None or phase == "setup"
+                if self.run_log is not None:
+                    self.run_log.issued(node.id)

@@ -3,7 +3,10 @@
 Parameters, gradients and optimizer state are sharded across the data-parallel group:
 the wrapper's ``parameters()`` are this rank's flat shards (one per unit), so a stock
 ``torch.optim`` optimizer keeps state for the shard only. See
-:mod:`lamina.memory.engine` for how units are gathered and freed.
+:mod:`lamina.memory.engine` for how units are gathered and freed. The layout and unit
+order become an :class:`~lamina.runtime.ExecutionPlan` (gathers, reduce-scatters and
+their primitives, frees, the optimizer step) that every rank verifies against the
+others before the first collective; the engine takes its primitives from the plan.
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ from lamina.memory import ShardLayout, build_layout, group_units
 from lamina.memory import state as shard_state
 from lamina.memory.accounting import MemoryAccount, memory_accounting
 from lamina.memory.engine import UnitState, Zero3Engine
-from lamina.memory.gather import choose_primitive
+from lamina.memory.gather import Primitive
 from lamina.memory.units import ROOT_UNIT
+from lamina.runtime import ExecutionPlan, RunLog
+from lamina.runtime import build_zero3 as plan_z3
+from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
+from lamina.strategies.coalesced import broadcast_coalesced, dtype_totals
+from lamina.strategies.preflight import before_first_collective
+from lamina.verify import PreflightReport
 
 
 class ShardedDataParallel(nn.Module):
@@ -38,6 +47,11 @@ class ShardedDataParallel(nn.Module):
     gradients are reduced in the shard's dtype (fp32). ``reshard_after_forward=False``
     keeps each unit gathered from its forward to its backward (one gather per step
     instead of two, at the cost of holding the full parameters through the step).
+    ``collectives`` picks the gather / reduce-scatter primitives: ``"native"``
+    (all_gather, reduce_scatter), ``"all_reduce"`` (their all-reduce forms) or
+    ``"auto"`` (all-reduce forms on gloo, where they are faster); ``disable_collectives``
+    (or ``$LAMINA_DISABLE_COLLECTIVES``) forces the alternative for the ops named.
+    ``verify=False`` skips the pre-flight cross-rank check.
     """
 
     def __init__(
@@ -49,6 +63,9 @@ class ShardedDataParallel(nn.Module):
         min_unit_numel: int = 1 << 16,
         param_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
+        collectives: str = "auto",
+        disable_collectives: tuple[str, ...] = (),
+        verify: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -57,18 +74,35 @@ class ShardedDataParallel(nn.Module):
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         source = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if world > 1:
-                    dist.broadcast(tensor.data, src=source, group=group)
         self.layout: ShardLayout = build_layout(
             module,
             world,
             alignment_bytes=alignment_bytes,
             units=group_units(module, min_unit_numel=min_unit_numel),
         )
+        self.execution_plan: ExecutionPlan = _build_plan(
+            module,
+            self.layout,
+            group,
+            param_dtype,
+            reshard_after_forward,
+            collectives,
+            disable_collectives,
+        )
+        self.preflight: PreflightReport | None = before_first_collective(
+            self.execution_plan, module, verify=verify, layout=self.layout
+        )
+        self.run_log = RunLog(self.execution_plan)
+        tensors = [*module.parameters(), *module.buffers()]
+        for node in self.execution_plan.collectives():
+            if node.phase == "setup" and node.collective is not None:
+                dtype = node.collective.dtype
+                chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
+                broadcast_coalesced(chosen, source, group)
+                self.run_log.issued(node.id)
         places = _places(module)
-        primitive = choose_primitive(group)
+        gather_op = _gather_primitive(self.execution_plan)
+        scatter_op = _scatter_primitive(self.execution_plan)
         units = []
         for unit in self.layout.units:
             named = {p.name: _param(module, p.name) for p in unit.params}
@@ -81,9 +115,16 @@ class ShardedDataParallel(nn.Module):
                     shard,
                     {n: places[n] for n in named},
                     rank,
-                    primitive,
+                    gather_op,
                     group,
                     compute_dtype=param_dtype,
+                    scatter_primitive=scatter_op,
+                    nodes={
+                        "fwd": plan_z3.gather_node(unit.name, "fwd"),
+                        "bwd": plan_z3.gather_node(unit.name, "bwd"),
+                        "scatter": plan_z3.scatter_node(unit.name),
+                    },
+                    observer=self.run_log,
                 )
             )
         self.param_dtype = param_dtype
@@ -114,6 +155,8 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Gather the root unit for the whole forward; block units gather around themselves."""
+        if self.training and torch.is_grad_enabled():
+            self.run_log.begin_step()
         self.engine.drop_stale_prefetches()
         if self.param_dtype is not None:  # mixed precision: floating inputs in param dtype
             args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
@@ -127,6 +170,10 @@ class ShardedDataParallel(nn.Module):
                     self.engine.leave_unit(state)
         self.engine.finish_forward()
         return out
+
+    def step_summary(self) -> str:
+        """One line: collectives of the last step and every fallback taken."""
+        return self.run_log.summary()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so that the global gradient norm is at most ``max_norm``.
@@ -180,6 +227,60 @@ class ShardedDataParallel(nn.Module):
     def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
         """Copy a sharded state dict (after ``dcp.load``) back into the shards."""
         shard_state.load_sharded_state_dict(self, sharded)
+
+
+def _build_plan(
+    module: nn.Module,
+    layout: ShardLayout,
+    group: dist.ProcessGroup | None,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    collectives: str,
+    disable_collectives: tuple[str, ...],
+) -> ExecutionPlan:
+    from lamina.session import current
+
+    runtime = current()
+    pg_backend = str(dist.get_backend(group))
+    unsupported = runtime.backend.unsupported_collectives if runtime is not None else frozenset()
+    disabled = {*disable_collectives, *disabled_from_env()}
+
+    def choice(op: str) -> PrimitiveChoice:
+        return choose_primitive(
+            op, pg_backend, mode=collectives, disable=disabled, unsupported=unsupported
+        )
+
+    whole = frozenset(u.name for u in layout.units if _submodule(module, u.name) is None)
+    order = [u.name for u in layout.units if u.name in whole]
+    order += [u.name for u in layout.units if u.name not in whole]
+    return plan_z3.build_zero3_plan(
+        plan_z3.Zero3PlanInputs(
+            layout=layout,
+            forward_order=order,
+            whole_forward=whole,
+            group=tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+            backend=runtime.backend.name if runtime is not None else "unknown",
+            pg_backend=pg_backend,
+            gather=choice("all_gather"),
+            scatter=choice("reduce_scatter"),
+            setup_state=dtype_totals([*module.parameters(), *module.buffers()]),
+            compute_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else None,
+            reshard_after_forward=reshard_after_forward,
+        )
+    )
+
+
+def _gather_primitive(plan: ExecutionPlan) -> Primitive:
+    """The primitive the plan's first gather node uses (all gathers share it)."""
+    gathers = [n for n in plan.nodes if n.kind == "gather"]
+    op = gathers[0].attr("primitive") if gathers else "all_gather"
+    return "native" if op == "all_gather" else "all_reduce"
+
+
+def _scatter_primitive(plan: ExecutionPlan) -> Primitive:
+    scatters = [n for n in plan.nodes if n.id.endswith(".reduce_scatter")]
+    op = scatters[0].attr("primitive") if scatters else "reduce_scatter"
+    return "native" if op == "reduce_scatter" else "all_reduce"
 
 
 def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:

@@ -1,0 +1,135 @@
+"""``lamina plan`` and ``lamina verify``: run a training script only up to its plan.
+
+Both launch SCRIPT with torchrun (through ``lamina run``'s launcher) and an environment
+variable that makes the strategy stop before its first collective:
+
+- ``lamina plan`` sets ``$LAMINA_PLAN_OUT``: every rank writes its execution plan and
+  exits; the plans are read back, compared across ranks, and printed (``--explain``,
+  the default, or ``--json``).
+- ``lamina verify`` sets ``$LAMINA_VERIFY_ONLY``: the ranks run the pre-flight
+  cross-rank verification and exit; it prints OK or the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lamina.cli.run import LaunchPlan, check_backend, launch
+from lamina.errors import ConfigError
+from lamina.plugins import BACKEND_ENV
+from lamina.runtime import ExecutionPlan, explain
+from lamina.strategies.preflight import PLAN_OUT_ENV, VERIFY_FAILED_STATUS, VERIFY_ONLY_ENV
+from lamina.verify.preflight import TIMEOUT_ENV
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks")
+    parser.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
+    parser.add_argument("script", help="the training script (it must call lamina.distribute)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _launch(args: argparse.Namespace, env: dict[str, str]) -> int:
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script!r} does not exist; pass a training script path")
+    requested = args.backend or os.environ.get(BACKEND_ENV)
+    if requested:
+        check_backend(requested.strip())
+    argv = [
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        args.script,
+        *args.script_args,
+    ]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return launch(LaunchPlan(args.backend, argv, True))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def read_plans(folder: Path, nproc: int) -> list[ExecutionPlan]:
+    """The plans the ranks wrote, rank 0 first; ConfigError when rank 0 wrote none."""
+    paths = [folder / "plan.json"] + [folder / f"plan.rank{r}.json" for r in range(1, nproc)]
+    if not paths[0].is_file():
+        raise ConfigError(
+            "the script finished without building an execution plan; it must call "
+            "lamina.distribute(model, ...) and run a forward (or pass example_inputs)"
+        )
+    return [ExecutionPlan.from_dict(json.loads(p.read_text())) for p in paths if p.is_file()]
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``lamina plan``: build the plan without training and print it."""
+    with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
+        status = _launch(args, {PLAN_OUT_ENV: tmp})
+        if status != 0:
+            print(f"lamina plan: the script failed (exit {status})", file=sys.stderr)
+            return status
+        plans = read_plans(Path(tmp), args.nproc_per_node)
+    first = plans[0]
+    differing = [r for r, p in enumerate(plans) if p.fingerprint != first.fingerprint]
+    if args.json:
+        print(first.to_json())
+    else:
+        print(explain(first))
+        agree = (
+            f"plans differ on rank(s) {differing}; run `lamina verify` for the first difference"
+            if differing
+            else f"the plan is identical on all {len(plans)} rank(s)"
+        )
+        print(f"\n{agree}")
+    return 1 if differing else 0
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    """``lamina verify``: only the pre-flight check; OK or the difference."""
+    env = {VERIFY_ONLY_ENV: "1"}
+    if args.timeout is not None:
+        env[TIMEOUT_ENV] = str(args.timeout)
+    status = _launch(args, env)
+    if status == 0:
+        return 0
+    what = "ranks differ" if status == VERIFY_FAILED_STATUS else f"exit status {status}"
+    print(f"lamina verify: FAILED: {what}; see the rank messages above", file=sys.stderr)
+    return status
+
+
+def add_plan_parsers(subparsers: Any) -> None:
+    """Register ``plan`` and ``verify`` on the ``lamina`` subcommand parsers."""
+    plan = subparsers.add_parser(
+        "plan",
+        help="build a script's execution plan without training and print it",
+        description="Run SCRIPT up to its execution plan (no collective, no step) and print "
+        "the plan.",
+    )
+    fmt = plan.add_mutually_exclusive_group()
+    fmt.add_argument("--explain", action="store_true", help="readable plan (the default)")
+    fmt.add_argument("--json", action="store_true", help="the plan as JSON")
+    _add_common(plan)
+    plan.set_defaults(func=plan_command)
+    verify = subparsers.add_parser(
+        "verify",
+        help="run only the pre-flight cross-rank verification of a script",
+        description="Run SCRIPT on N ranks up to the pre-flight verification; print OK or "
+        "the first difference between ranks.",
+    )
+    verify.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help=f"arrival timeout ({TIMEOUT_ENV})"
+    )
+    _add_common(verify)
+    verify.set_defaults(func=verify_command)

@@ -1,0 +1,224 @@
+"""The execution plan of one data-parallel step, from the captured graph and bucket plan."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lamina.comm.buckets import BucketPlan
+from lamina.comm.codecs import Codec
+from lamina.graph import CAPTURE_METHODS, CapturedGraph
+from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
+
+FORWARD = "forward"
+BACKWARD = "backward"
+OPTIMIZER = "optimizer"
+EXCLUDED = "excluded.all_reduce"
+
+
+def bucket_node(index: int) -> str:
+    """Node id of bucket ``index``'s all-reduce."""
+    return f"bucket{index}.all_reduce"
+
+
+def setup_node(dtype: str) -> str:
+    """Node id of the wrap-time broadcast of all ``dtype`` parameters and buffers."""
+    return f"setup.broadcast.{dtype}"
+
+
+def buffers_node(dtype: str) -> str:
+    """Node id of the per-step broadcast of all ``dtype`` buffers."""
+    return f"buffers.broadcast.{dtype}"
+
+
+@dataclass(frozen=True)
+class DPPlanInputs:
+    """Everything the DP plan depends on (identical on every rank of a healthy job)."""
+
+    graph: CapturedGraph
+    buckets: BucketPlan
+    group: tuple[int, ...]
+    backend: str
+    pg_backend: str
+    #: (dtype name, numel) of the state broadcast at wrap time, and of buffers per step.
+    setup_state: Sequence[tuple[str, int]]
+    step_buffers: Sequence[tuple[str, int]]
+    codec: Codec | None = None
+    #: dtype name -> '' when the codec passed its self-check, else the reason it failed.
+    codec_checks: dict[str, str] | None = None
+    compile_backend: str | None = None
+
+
+def _capture_fallbacks(graph: CapturedGraph) -> list[Fallback]:
+    failed = {f.method: f.reason for f in graph.fallbacks}
+    out = []
+    for primary, alternative in itertools.pairwise(CAPTURE_METHODS):
+        out.append(
+            Fallback(
+                node=FORWARD,
+                primary=f"capture:{primary}",
+                alternative=f"capture:{alternative}",
+                condition=f"{primary} capture raises",
+                taken=primary in failed,
+                reason=failed.get(primary, ""),
+            )
+        )
+    return out
+
+
+def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]:
+    nodes, fallbacks = [], []
+    checks = inputs.codec_checks or {}
+    for bucket in inputs.buckets.buckets:
+        node_id = bucket_node(bucket.index)
+        codec = inputs.codec
+        applies = codec is not None and codec.applies_to(_dtype(bucket.dtype))
+        failed = checks.get(bucket.dtype, "") if applies else ""
+        wire = codec if applies and not failed else None
+        spec = CollectiveSpec(
+            op="all_reduce",
+            dtype=bucket.dtype,
+            numel=bucket.numel,
+            element_size=bucket.element_size,
+            group=inputs.group,
+            wire_dtype=str(wire.wire_dtype).removeprefix("torch.") if wire else None,
+            wire_element_size=wire.wire_dtype.itemsize if wire else None,
+        )
+        names = bucket.param_names
+        nodes.append(
+            PlanNode(
+                node_id,
+                "collective",
+                "backward",
+                f"bucket {bucket.index}: {len(names)} gradient(s), {names[0]} .. {names[-1]}",
+                spec,
+                attrs(bucket=bucket.index, params=len(names), codec=wire.name if wire else "none"),
+            )
+        )
+        if applies and codec is not None:
+            fallbacks.append(
+                Fallback(
+                    node_id,
+                    f"codec:{codec.name}",
+                    "uncompressed",
+                    "the codec fails its self-check while planning",
+                    taken=bool(failed),
+                    reason=failed,
+                )
+            )
+            if not failed:
+                fallbacks.append(
+                    Fallback(
+                        node_id,
+                        f"codec:{codec.name}",
+                        "uncompressed",
+                        "the decoded reduction is not finite (overflow): resent uncompressed",
+                        when="run",
+                    )
+                )
+    return nodes, fallbacks
+
+
+def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
+    """The DAG of one DP step: buffer broadcast, forward, backward with one all-reduce per
+    bucket (in gradient-ready order), the optimizer step; plus the wrap-time broadcast."""
+    nodes: list[PlanNode] = []
+    edges: list[tuple[str, str]] = []
+    world = len(inputs.group)
+    fallbacks = _capture_fallbacks(inputs.graph)
+    if world > 1:
+        for dtype, numel in inputs.setup_state:
+            nodes.append(_broadcast(setup_node(dtype), "setup", dtype, numel, inputs.group))
+        for dtype, numel in inputs.step_buffers:
+            node = _broadcast(buffers_node(dtype), "forward", dtype, numel, inputs.group)
+            nodes.append(node)
+            edges.append((node.id, FORWARD))
+    mode = f"compiled:{inputs.compile_backend}" if inputs.compile_backend else "eager"
+    nodes.append(
+        PlanNode(
+            FORWARD,
+            "forward",
+            "forward",
+            f"forward ({inputs.graph.method} graph, {len(inputs.graph.nodes)} nodes, {mode})",
+            attrs=attrs(capture=inputs.graph.method, mode=mode),
+        )
+    )
+    if inputs.compile_backend:
+        fallbacks.append(
+            Fallback(
+                FORWARD,
+                f"compiled:{inputs.compile_backend}",
+                "eager",
+                "torch.compile raises while compiling or running the forward",
+                when="run",
+            )
+        )
+    nodes.append(PlanNode(BACKWARD, "backward", "backward", "backward (autograd)"))
+    edges.append((FORWARD, BACKWARD))
+    buckets, bucket_fallbacks = _bucket_nodes(inputs)
+    fallbacks.extend(bucket_fallbacks)
+    nodes.extend(buckets if world > 1 else [])
+    if world > 1 and inputs.buckets.excluded:
+        nodes.append(_excluded_node(inputs))
+    nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)"))
+    for node in nodes:
+        if node.phase == "backward" and node.collective is not None:
+            edges += [(BACKWARD, node.id), (node.id, OPTIMIZER)]
+    if world == 1:
+        edges.append((BACKWARD, OPTIMIZER))
+    plan_meta = attrs(
+        cap_bytes=inputs.buckets.cap_bytes,
+        first_bucket_bytes=inputs.buckets.first_bucket_bytes,
+        alignment_bytes=inputs.buckets.alignment_bytes,
+        pg_backend=inputs.pg_backend,
+        codec=inputs.codec.name if inputs.codec else "none",
+    )
+    return ExecutionPlan(
+        strategy="dp",
+        world_size=world,
+        backend=inputs.backend,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        fallbacks=tuple(f for f in fallbacks if f.node in {n.id for n in nodes}),
+        graph_fingerprint=inputs.graph.fingerprint,
+        meta=plan_meta,
+    )
+
+
+def _broadcast(
+    node_id: str, phase: str, dtype: str, numel: int, group: tuple[int, ...]
+) -> PlanNode:
+    what = "parameters and buffers" if phase == "setup" else "buffers"
+    return PlanNode(
+        node_id,
+        "collective",
+        phase,
+        f"broadcast {dtype} {what} from rank {group[0]}",
+        CollectiveSpec("broadcast", dtype, numel, _dtype(dtype).itemsize, group),
+        attrs(source=group[0], when="wrap time" if phase == "setup" else "training forward"),
+    )
+
+
+def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
+    numel = sum(math.prod(inputs.graph.param_shapes[n]) for n in inputs.buckets.excluded)
+    dtype = inputs.graph.param_dtypes[inputs.buckets.excluded[0]].removeprefix("torch.")
+    return PlanNode(
+        EXCLUDED,
+        "collective",
+        "backward",
+        f"all-reduce of {len(inputs.buckets.excluded)} parameter(s) unused in the captured "
+        "forward, only if they get a gradient",
+        CollectiveSpec("all_reduce", dtype, numel, _dtype(dtype).itemsize, inputs.group),
+        attrs(conditional="true", params=len(inputs.buckets.excluded)),
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return value

@@ -1,0 +1,108 @@
+"""What running a plan did: collectives issued per step and fallbacks taken at run time."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lamina.errors import ConfigError
+from lamina.runtime.plan import ExecutionPlan, format_bytes
+
+logger = logging.getLogger("lamina.runtime")
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """A run-time fallback: ``node`` switched from ``primary`` to ``alternative``."""
+
+    step: int
+    node: str
+    primary: str
+    alternative: str
+    reason: str
+
+
+@dataclass
+class StepRecord:
+    """Collectives one step issued (by node id) and the bytes they moved."""
+
+    step: int
+    issued: Counter[str] = field(default_factory=Counter)
+    nbytes: int = 0
+    fallbacks: list[FallbackEvent] = field(default_factory=list)
+
+
+class RunLog:
+    """Per-step record of running ``plan``; every issued collective names its plan node."""
+
+    def __init__(self, plan: ExecutionPlan) -> None:
+        self.plan = plan
+        self.events: list[FallbackEvent] = []
+        self.current = StepRecord(step=0)
+        self.last: StepRecord | None = None
+
+    def begin_step(self) -> None:
+        """Close the current step (if it issued anything) and open the next one."""
+        if self.current.issued or self.current.fallbacks:
+            self.last = self.current
+            self.current = StepRecord(step=self.current.step + 1)
+
+    def issued(self, node_id: str, nbytes: int | None = None) -> None:
+        """Record that the collective of ``node_id`` was issued (it must be planned)."""
+        node = self.plan.node(node_id)
+        if node.collective is None:
+            raise ConfigError(f"plan node {node_id!r} is not a collective; fix the engine")
+        self.current.issued[node_id] += 1
+        self.current.nbytes += node.collective.nbytes if nbytes is None else nbytes
+
+    def fallback(self, node_id: str, alternative: str, reason: str) -> FallbackEvent:
+        """Record a run-time fallback declared on ``node_id``; logs it once per kind."""
+        declared = [
+            f
+            for f in self.plan.fallbacks_of(node_id)
+            if f.alternative == alternative and f.when == "run"
+        ]
+        if not declared:
+            raise ConfigError(
+                f"plan node {node_id!r} declares no run-time fallback to {alternative!r}"
+            )
+        event = FallbackEvent(self.current.step, node_id, declared[0].primary, alternative, reason)
+        first = not any(e.node == node_id and e.alternative == alternative for e in self.events)
+        self.events.append(event)
+        self.current.fallbacks.append(event)
+        if first:
+            logger.warning(
+                "fallback on %s: %s -> %s (%s)", node_id, event.primary, alternative, reason
+            )
+        return event
+
+    def summary(self) -> str:
+        """One line about the step in progress (or, before it issues anything, the last)."""
+        record = self.current if self.current.issued or self.last is None else self.last
+        planned = [
+            n.id
+            for n in self.plan.collectives()
+            if n.attr("conditional") != "true" and n.phase != "setup"
+        ]
+        done = sum(1 for n in planned if record.issued.get(n))
+        parts = [
+            f"step {record.step}: {done}/{len(planned)} planned collectives, "
+            f"{sum(record.issued.values())} issued, {format_bytes(record.nbytes)}"
+        ]
+        plan_taken = Counter(
+            f"{f.primary} -> {f.alternative}" for f in self.plan.fallbacks if f.taken
+        )
+        if plan_taken:
+            parts.append(
+                "plan fallbacks: " + "; ".join(f"{k} (x{n})" for k, n in plan_taken.items())
+            )
+        if record.fallbacks:
+            parts.append(
+                "run fallbacks: "
+                + "; ".join(
+                    f"{e.node} {e.primary} -> {e.alternative} ({e.reason})"
+                    for e in record.fallbacks
+                )
+            )
+        return " | ".join(parts)

@@ -1,0 +1,313 @@
+"""The execution plan: the DAG of one training step that a strategy builds and runs.
+
+Nodes are compute units (forward, backward), collectives (op, dtype, element count,
+process group, the bucket or unit they serve), parameter gathers and frees, and the
+optimizer step; edges are data dependencies. Every preferred path that has a declared
+alternative carries a :class:`Fallback` with the condition that triggers it; a fallback
+decided while planning (capture, collective primitive, codec self-check) is part of the
+plan and of its fingerprint, one taken while running (compiled forward, codec overflow)
+is recorded in :class:`~lamina.runtime.log.RunLog`. Engines read their collectives,
+primitives, codecs and compute mode from the plan's nodes, so the plan is what runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from lamina.errors import ConfigError
+
+PLAN_VERSION = 1
+
+NodeKind = Literal["forward", "backward", "collective", "gather", "free", "optimizer"]
+NODE_KINDS: tuple[str, ...] = ("forward", "backward", "collective", "gather", "free", "optimizer")
+Phase = Literal["forward", "backward", "step"]
+
+#: Collective ops a plan node may issue.
+COLLECTIVE_OPS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+)
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One collective a node issues: what, how big, over which ranks.
+
+    ``numel`` counts elements of the full buffer (the gathered output of an all-gather,
+    the input of a reduce-scatter); ``wire_dtype`` is the dtype on the wire when a codec
+    compresses it (``None``: ``dtype``).
+    """
+
+    op: str
+    dtype: str
+    numel: int
+    element_size: int
+    group: tuple[int, ...]
+    wire_dtype: str | None = None
+    wire_element_size: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer as it travels (after any codec)."""
+        return self.numel * (self.wire_element_size or self.element_size)
+
+    def describe(self) -> str:
+        """``all_reduce float32 x 1024 (4.0 KiB) group [0, 1]`` (one line, canonical)."""
+        wire = f" as {self.wire_dtype}" if self.wire_dtype else ""
+        return (
+            f"{self.op} {self.dtype}{wire} x {self.numel} ({format_bytes(self.nbytes)}) "
+            f"group {list(self.group)}"
+        )
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """One task of the step; ``attrs`` hold kind-specific facts as strings."""
+
+    id: str
+    kind: str
+    phase: str
+    label: str
+    collective: CollectiveSpec | None = None
+    attrs: tuple[tuple[str, str], ...] = ()
+
+    def attr(self, key: str, default: str = "") -> str:
+        """The value of attribute ``key`` (``default`` when absent)."""
+        return dict(self.attrs).get(key, default)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A declared alternative to a node's preferred path.
+
+    ``taken`` is decided while planning; ``reason`` says why it was taken.
+    ``when`` is ``"plan"`` (decided before step 1) or ``"run"`` (checked every time the
+    node runs; what happened is in the run log).
+    """
+
+    node: str
+    primary: str
+    alternative: str
+    condition: str
+    when: str = "plan"
+    taken: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """The per-step DAG of one wrapped model; identical on every rank of a job."""
+
+    strategy: str
+    world_size: int
+    backend: str
+    nodes: tuple[PlanNode, ...]
+    edges: tuple[tuple[str, str], ...]
+    fallbacks: tuple[Fallback, ...] = ()
+    graph_fingerprint: str = ""
+    meta: tuple[tuple[str, str], ...] = ()
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        index = {node.id: k for k, node in enumerate(self.nodes)}
+        if len(index) != len(self.nodes):
+            ids = [n.id for n in self.nodes]
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ConfigError(f"execution plan: node id {dup!r} appears twice")
+        for src, dst in self.edges:
+            for end in (src, dst):
+                if end not in index:
+                    raise ConfigError(f"execution plan: edge {src} -> {dst} names no node {end!r}")
+        for fb in self.fallbacks:
+            if fb.node not in index:
+                raise ConfigError(f"execution plan: fallback names no node {fb.node!r}")
+        self._index.update(index)
+
+    # -- queries --------------------------------------------------------------------------
+    def node(self, node_id: str) -> PlanNode:
+        """The node called ``node_id`` (KeyError naming it when absent)."""
+        try:
+            return self.nodes[self._index[node_id]]
+        except KeyError:
+            raise KeyError(f"execution plan has no node {node_id!r}") from None
+
+    def collectives(self) -> list[PlanNode]:
+        """Collective nodes in the order one step issues them."""
+        return [n for n in self.nodes if n.collective is not None]
+
+    def collective_bytes(self) -> int:
+        """Bytes one step moves through collectives (buffer sizes, after codecs)."""
+        return sum(n.collective.nbytes for n in self.collectives() if n.collective)
+
+    def fallbacks_of(self, node_id: str) -> list[Fallback]:
+        """Fallbacks declared on ``node_id``."""
+        return [f for f in self.fallbacks if f.node == node_id]
+
+    def taken(self, node_id: str, alternative: str) -> bool:
+        """Whether the plan decided to use ``alternative`` on ``node_id``."""
+        return any(f.taken and f.alternative == alternative for f in self.fallbacks_of(node_id))
+
+    def topological_order(self) -> list[str]:
+        """Node ids in an order that respects every edge (ties keep plan order)."""
+        incoming: dict[str, int] = {n.id: 0 for n in self.nodes}
+        outgoing: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for src, dst in self.edges:
+            incoming[dst] += 1
+            outgoing[src].append(dst)
+        ready = [n.id for n in self.nodes if incoming[n.id] == 0]
+        order: list[str] = []
+        while ready:
+            ready.sort(key=self._index.__getitem__)
+            current = ready.pop(0)
+            order.append(current)
+            for nxt in outgoing[current]:
+                incoming[nxt] -= 1
+                if incoming[nxt] == 0:
+                    ready.append(nxt)
+        if len(order) != len(self.nodes):
+            stuck = sorted(set(incoming) - set(order))
+            raise ConfigError(f"execution plan has a cycle through {stuck[:4]}")
+        return order
+
+    def with_fallback(self, node_id: str, alternative: str, reason: str) -> ExecutionPlan:
+        """A copy with the declared fallback ``alternative`` of ``node_id`` marked taken."""
+        found = False
+        updated = []
+        for fb in self.fallbacks:
+            if fb.node == node_id and fb.alternative == alternative:
+                fb = replace(fb, taken=True, reason=reason)
+                found = True
+            updated.append(fb)
+        if not found:
+            raise ConfigError(f"node {node_id!r} declares no fallback to {alternative!r}")
+        return replace(self, fallbacks=tuple(updated), _index={})
+
+    # -- verification items --------------------------------------------------------------
+    def collective_sequence(self) -> list[str]:
+        """One canonical line per collective, in issue order (what ranks must agree on)."""
+        return [f"{n.id}: {n.collective.describe()}" for n in self.collectives() if n.collective]
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``from_dict`` reads it back)."""
+        return {
+            "version": PLAN_VERSION,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "graph_fingerprint": self.graph_fingerprint,
+            "meta": dict(self.meta),
+            "nodes": [_node_dict(n) for n in self.nodes],
+            "edges": [list(e) for e in self.edges],
+            "fallbacks": [asdict(f) for f in self.fallbacks],
+            "fingerprint": self.fingerprint,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExecutionPlan:
+        """Read a dict made by :meth:`to_dict`; ConfigError naming the field when malformed."""
+        try:
+            if data["version"] != PLAN_VERSION:
+                raise ConfigError(
+                    f"execution plan version {data['version']} is not {PLAN_VERSION}; "
+                    "rebuild the plan with this lamina"
+                )
+            return cls(
+                strategy=str(data["strategy"]),
+                world_size=int(data["world_size"]),
+                backend=str(data["backend"]),
+                graph_fingerprint=str(data.get("graph_fingerprint", "")),
+                meta=tuple(sorted((str(k), str(v)) for k, v in data.get("meta", {}).items())),
+                nodes=tuple(_node_from(n) for n in data["nodes"]),
+                edges=tuple((str(a), str(b)) for a, b in data["edges"]),
+                fallbacks=tuple(Fallback(**f) for f in data.get("fallbacks", [])),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(
+                f"execution plan JSON is malformed ({type(exc).__name__}: {exc}); "
+                "write it with ExecutionPlan.to_json"
+            ) from None
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical plan (nodes, edges, fallbacks decided; not run events)."""
+        body = self.to_dict_without_fingerprint()
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_dict_without_fingerprint(self) -> dict[str, Any]:
+        """The canonical content the fingerprint hashes."""
+        return {
+            "version": PLAN_VERSION,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "graph_fingerprint": self.graph_fingerprint,
+            "meta": dict(self.meta),
+            "nodes": [_node_dict(n) for n in self.nodes],
+            "edges": [list(e) for e in self.edges],
+            "fallbacks": [asdict(f) for f in self.fallbacks],
+        }
+
+    def __iter__(self) -> Iterator[PlanNode]:
+        return iter(self.nodes)
+
+
+def _node_dict(node: PlanNode) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": node.id,
+        "kind": node.kind,
+        "phase": node.phase,
+        "label": node.label,
+        "attrs": dict(node.attrs),
+    }
+    if node.collective is not None:
+        spec = asdict(node.collective)
+        spec["group"] = list(node.collective.group)
+        out["collective"] = spec
+    return out
+
+
+def _node_from(data: dict[str, Any]) -> PlanNode:
+    spec = data.get("collective")
+    collective = None
+    if spec is not None:
+        collective = CollectiveSpec(**{**spec, "group": tuple(int(r) for r in spec["group"])})
+    kind = str(data["kind"])
+    if kind not in NODE_KINDS:
+        raise ConfigError(f"execution plan node {data.get('id')!r} has unknown kind {kind!r}")
+    return PlanNode(
+        id=str(data["id"]),
+        kind=kind,
+        phase=str(data["phase"]),
+        label=str(data["label"]),
+        collective=collective,
+        attrs=tuple(sorted((str(k), str(v)) for k, v in data.get("attrs", {}).items())),
+    )
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 MiB`` style sizes."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def attrs(**values: object) -> tuple[tuple[str, str], ...]:
+    """Node attributes from keyword arguments (sorted, stringified)."""
+    return tuple(sorted((k, str(v)) for k, v in values.items()))

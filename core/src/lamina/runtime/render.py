@@ -1,0 +1,80 @@
+"""A readable rendering of an execution plan (``lamina plan --explain``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lamina.runtime.log import RunLog
+from lamina.runtime.plan import ExecutionPlan, format_bytes
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        indent + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+        for r in rows
+    ]
+
+
+def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
+    """Header, nodes in execution order, the collective sequence with bytes, and every
+    declared fallback with whether (and why) it was taken."""
+    meta = ", ".join(f"{k}={v}" for k, v in plan.meta)
+    lines = [
+        f"execution plan: {plan.strategy} on {plan.backend}, {plan.world_size} rank(s), "
+        f"{len(plan.nodes)} nodes, {len(plan.edges)} edges",
+        f"  plan fingerprint  {plan.fingerprint[:16]}",
+        f"  graph fingerprint {plan.graph_fingerprint[:16]}",
+        f"  settings          {meta}",
+        "",
+        "nodes (execution order)",
+    ]
+    rows: list[tuple[str, ...]] = [("#", "node", "kind", "phase", "what")]
+    for k, node_id in enumerate(plan.topological_order()):
+        node = plan.node(node_id)
+        rows.append((str(k), node.id, node.kind, node.phase, node.label))
+    lines += _table(rows)
+    collectives = plan.collectives()
+    per_step = [n for n in collectives if n.phase != "setup"]
+    lines += [
+        "",
+        f"collective sequence ({len(per_step)} per step, "
+        f"{format_bytes(sum(n.collective.nbytes for n in per_step if n.collective))} per step; "
+        f"{len(collectives) - len(per_step)} at setup)",
+    ]
+    rows = [("seq", "node", "op", "dtype", "elements", "bytes", "group")]
+    for k, node in enumerate(collectives):
+        spec = node.collective
+        assert spec is not None
+        dtype = spec.dtype + (f"->{spec.wire_dtype}" if spec.wire_dtype else "")
+        suffix = " (if any gradient)" if node.attr("conditional") == "true" else ""
+        rows.append(
+            (
+                str(k),
+                node.id,
+                spec.op,
+                dtype,
+                str(spec.numel),
+                format_bytes(spec.nbytes),
+                f"{list(spec.group)}{suffix}",
+            )
+        )
+    lines += _table(rows) if collectives else ["  (none: one rank)"]
+    lines += ["", "fallbacks (declared on the plan)"]
+    if plan.fallbacks:
+        rows = [("node", "primary -> alternative", "decided", "condition", "status")]
+        for fb in plan.fallbacks:
+            status = f"TAKEN: {fb.reason}" if fb.taken else "not taken"
+            rows.append(
+                (fb.node, f"{fb.primary} -> {fb.alternative}", fb.when, fb.condition, status)
+            )
+        lines += _table(rows)
+    else:
+        lines.append("  (none declared)")
+    if log is not None:
+        lines += ["", "run-time fallbacks taken"]
+        lines += [
+            f"  step {e.step}  {e.node}  {e.primary} -> {e.alternative}: {e.reason}"
+            for e in log.events
+        ] or ["  (none)"]
+    return "\n".join(lines)
