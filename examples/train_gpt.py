@@ -118,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rt.is_main:
                 print(f"train_gpt.py: error: --strategy {args.strategy}: {exc}", file=sys.stderr)
             return 2
+        if rt.is_main and model.preflight is not None:  # type: ignore[union-attr]
+            print(model.preflight.summary(), flush=True)  # type: ignore[union-attr]
         optimizer = make_optimizer(model, args)
         warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 10
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -164,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 window_sum, window_n = window_sum + value, window_n + 1
                 tps = tokens_per_step * step / train_seconds
                 progress.update(task, completed=step, loss=value, tps=tps)
+                if step == 1 and rt.is_main:
+                    progress.console.print(
+                        model.step_summary(),
+                        markup=False,
+                        highlight=False,
+                        soft_wrap=True,  # type: ignore[operator]
+                    )
                 if step % args.eval_every == 0 or step == args.max_steps:
                     train_loss = global_mean(window_sum, window_n, rt.device)
                     val_loss = evaluate(model, corpus, args, rt.rank, rt.device)

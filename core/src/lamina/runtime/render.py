@@ -29,11 +29,11 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
         "",
         "nodes (execution order)",
     ]
-    rows: list[tuple[str, ...]] = [("#", "node", "kind", "phase", "what")]
+    node_rows: list[tuple[str, ...]] = [("#", "node", "kind", "phase", "what")]
     for k, node_id in enumerate(plan.topological_order()):
         node = plan.node(node_id)
-        rows.append((str(k), node.id, node.kind, node.phase, node.label))
-    lines += _table(rows)
+        node_rows.append((str(k), node.id, node.kind, node.phase, node.label))
+    lines += _table(node_rows)
     collectives = plan.collectives()
     per_step = [n for n in collectives if n.phase != "setup"]
     lines += [
@@ -42,13 +42,13 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
         f"{format_bytes(sum(n.collective.nbytes for n in per_step if n.collective))} per step; "
         f"{len(collectives) - len(per_step)} at setup)",
     ]
-    rows = [("seq", "node", "op", "dtype", "elements", "bytes", "group")]
+    seq_rows = [("seq", "node", "op", "dtype", "elements", "bytes", "group")]
     for k, node in enumerate(collectives):
         spec = node.collective
         assert spec is not None
         dtype = spec.dtype + (f"->{spec.wire_dtype}" if spec.wire_dtype else "")
         suffix = " (if any gradient)" if node.attr("conditional") == "true" else ""
-        rows.append(
+        seq_rows.append(
             (
                 str(k),
                 node.id,
@@ -59,15 +59,20 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
                 f"{list(spec.group)}{suffix}",
             )
         )
-    lines += _table(rows) if collectives else ["  (none: one rank)"]
-    lines += ["", "fallbacks (declared on the plan)"]
+    lines += _table(seq_rows) if collectives else ["  (none: one rank)"]
+    lines += ["", "fallbacks (declared on the plan; identical ones on several nodes grouped)"]
     if plan.fallbacks:
-        rows = [("node", "primary -> alternative", "decided", "condition", "status")]
+        groups: dict[tuple[str, ...], list[str]] = {}
         for fb in plan.fallbacks:
             status = f"TAKEN: {fb.reason}" if fb.taken else "not taken"
-            rows.append(
-                (fb.node, f"{fb.primary} -> {fb.alternative}", fb.when, fb.condition, status)
-            )
+            key = (f"{fb.primary} -> {fb.alternative}", fb.when, fb.condition, status)
+            groups.setdefault(key, []).append(fb.node)
+        rows: list[tuple[str, ...]] = [
+            ("node", "primary -> alternative", "decided", "condition", "status")
+        ]
+        for group_key, nodes in groups.items():
+            where = nodes[0] if len(nodes) == 1 else f"{nodes[0]} (+{len(nodes) - 1} more)"
+            rows.append((where, *group_key))
         lines += _table(rows)
     else:
         lines.append("  (none declared)")
