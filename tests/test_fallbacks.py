@@ -3,8 +3,9 @@
 Each test forces one trigger on 2 real ranks and checks three things: the plan (plan-time
 edges) or the run log and ``step_summary()`` (run-time edges) say which alternative ran
 and why; and training on the alternative ends with the parameters the primary path
-gives. One spawned job per family of edges (capture, compile, codec, ZeRO-3
-primitives) runs every configuration of that family; the tests assert on its results.
+gives. Spawning ranks is the slow part, so one job runs every DP configuration
+(capture, compile, codec) and one every ZeRO-3 primitive configuration; the tests, one
+per edge, assert on their results.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ CLEAN_ENV = {
 }
 #: Small bucket caps: the MLP's gradients land in several buckets, each with its node.
 SMALL_BUCKETS: dict[str, Any] = {"bucket_cap_mb": 0.004, "first_bucket_mb": 0.001}
-#: fp16 tops out at 65504; gradients of a loss scaled by 2**24 are far past that, while
+#: fp16 tops out at 65504; gradients of a loss scaled by 2**30 are far past that, while
 #: bf16 (fp32's exponent range) carries them. SGD's step is scaled down by as much.
-LOSS_SCALE = 2.0**24
+LOSS_SCALE = 2.0**30
 SGD_LR = 0.1 / LOSS_SCALE
 
 
@@ -117,6 +118,11 @@ def _tensors(values: list[list[float]]) -> list[torch.Tensor]:
     return [torch.tensor(v, dtype=torch.float32) for v in values]
 
 
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    pairs = zip(_tensors(a), _tensors(b), strict=True)
+    return max((x - y).abs().max().item() for x, y in pairs)
+
+
 def _small_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
@@ -143,9 +149,23 @@ def _train_mlp(model: nn.Module, rank: int, *, sgd: bool = False, scale: float =
     return summaries
 
 
-# -- job: capture export -> fx -> hooks ----------------------------------------------------
-def _capture_job() -> dict[str, dict[str, Any]]:
+# -- one spawned job for the DP edges ----------------------------------------------------
+Results = dict[str, dict[str, dict[str, Any]]]
+
+
+def _dp_job() -> Results:
+    """Every DP configuration on this rank: capture, compile and codec families."""
     rank = lamina.init().rank
+    return {"capture": _capture_job(rank), "compile": _compile_job(rank), "codec": _codec_job(rank)}
+
+
+@pytest.fixture(scope="module")
+def dp_results() -> list[Results]:
+    return run_ranks(_dp_job, WORLD, env=CLEAN_ENV, timeout=100)
+
+
+# -- capture export -> fx -> hooks ----------------------------------------------------
+def _capture_job(rank: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, cls in (("fx", NeedsFx), ("hooks", NeedsHooks)):
         torch.manual_seed(0)
@@ -173,13 +193,9 @@ def _capture_job() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _capture_results() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_capture_job, WORLD, env=CLEAN_ENV, timeout=100)
-
-
 @pytest.fixture(scope="module")
-def capture_results() -> list[dict[str, dict[str, Any]]]:
-    return _capture_results()
+def capture_results(dp_results: list[Results]) -> list[dict[str, dict[str, Any]]]:
+    return [r["capture"] for r in dp_results]
 
 
 @pytest.mark.multiprocess
@@ -212,10 +228,8 @@ def test_fx_falls_back_to_hooks_and_trains_like_ddp(
         assert "data-dependent" in to_fx[4].lower()
         assert to_hooks[:4] == ("capture:fx", "capture:hooks", "plan", True)
         assert to_hooks[4].startswith("TraceError") and "\n" not in to_hooks[4]
-        assert (
-            "capture:export -> capture:fx (x1); capture:fx -> capture:hooks (x1)"
-            in (hooks["summary"])
-        )
+        both = "capture:export -> capture:fx (x1); capture:fx -> capture:hooks (x1)"
+        assert f"plan fallbacks: {both}" in hooks["summary"]
         torch.testing.assert_close(
             _tensors(hooks["ours"]), _tensors(hooks["ddp"]), rtol=0, atol=1e-6
         )
@@ -223,9 +237,8 @@ def test_fx_falls_back_to_hooks_and_trains_like_ddp(
     assert capture_results[0]["hooks"]["ours"] == capture_results[1]["hooks"]["ours"]
 
 
-# -- job: compiled forward -> eager --------------------------------------------------------
-def _compile_job() -> dict[str, dict[str, Any]]:
-    rank = lamina.init().rank
+# -- compiled forward -> eager --------------------------------------------------------
+def _compile_job(rank: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, model, compile_ in (
         ("eager", build("mlp"), False),
@@ -252,8 +265,8 @@ def _built(cls: type[nn.Module]) -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def compile_results() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_compile_job, WORLD, env=CLEAN_ENV, timeout=100)
+def compile_results(dp_results: list[Results]) -> list[dict[str, dict[str, Any]]]:
+    return [r["compile"] for r in dp_results]
 
 
 @pytest.mark.multiprocess
@@ -273,11 +286,9 @@ def test_compile_failure_falls_back_to_eager_with_the_same_parameters(
             "compiled:eager",
             "eager",
         )
-        assert event.reason and "\n" not in event.reason
-        assert (
-            f"run fallbacks: forward compiled:eager -> eager ({event.reason})"
-            in (breaks["summaries"][0])
-        )
+        assert "graph_break" in event.reason and "\n" not in event.reason
+        recorded = f"run fallbacks: forward compiled:eager -> eager ({event.reason})"
+        assert recorded in breaks["summaries"][0]  # the summary of step 1
         assert "run fallbacks" not in breaks["summaries"][-1]
         assert eager["events"] == [] and eager["mode"] == "eager"
         # the failed first call left no trace: the same numbers as never compiling
@@ -302,9 +313,8 @@ def test_compile_that_works_records_no_fallback_and_matches_eager(
         )
 
 
-# -- job: codecs -> uncompressed -------------------------------------------------------------
-def _codec_job() -> dict[str, dict[str, Any]]:
-    rank = lamina.init().rank
+# -- codecs -> uncompressed -------------------------------------------------------------
+def _codec_job(rank: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in ("none", "broken", "fp16", "bf16"):
         codec: str | Codec | None = {"none": None, "broken": BrokenCodec()}.get(name, name)
@@ -327,8 +337,8 @@ def _codec_job() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def codec_results() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_codec_job, WORLD, env=CLEAN_ENV, timeout=100)
+def codec_results(dp_results: list[Results]) -> list[dict[str, dict[str, Any]]]:
+    return [r["codec"] for r in dp_results]
 
 
 @pytest.mark.multiprocess
@@ -410,16 +420,16 @@ def test_bf16_codec_carries_the_same_gradients_without_a_fallback(
         assert bf16["events"] == [] and bf16["codec_fallbacks"] == 0
         assert all(not f[3] for fbs in bf16["fallbacks"].values() for f in fbs)
         assert all("fallbacks" not in s for s in bf16["summaries"])
-        # compressed for real (not bitwise the fp32 result), within bf16's 8-bit mantissa:
-        # SGD moved each parameter by about 0.3 over the steps, bf16 rounds at 2**-8
-        diff = max(
-            (a - b).abs().max().item()
-            for a, b in zip(_tensors(bf16["params"]), _tensors(plain["params"]), strict=True)
-        )
-        assert 0 < diff <= 2e-3, diff
+        # compressed for real (not bitwise the fp32 result), and off by no more than bf16's
+        # 8-bit mantissa allows: each gradient (so each SGD update) rounds by <= 2**-8 of
+        # itself; the bound leaves room for the rounded sum of the two ranks' shares
+        initial = _params(build("mlp"))
+        diff = _max_diff(bf16["params"], plain["params"])
+        moved = _max_diff(plain["params"], initial)
+        assert 0 < diff <= 2**-6 * moved, (diff, moved)
 
 
-# -- job: ZeRO-3 primitives reduce_scatter / all_gather -> all_reduce -----------------------
+# -- ZeRO-3 primitives reduce_scatter / all_gather -> all_reduce -----------------------
 ZERO3_CONFIGS: dict[str, dict[str, Any]] = {
     "native": {"collectives": "native"},
     "no_reduce_scatter": {"collectives": "native", "disable_collectives": ("reduce_scatter",)},
@@ -432,11 +442,11 @@ ALTERNATIVES = {
     "reduce_scatter": "all_reduce + slice",
     "all_gather": "all_reduce of a zero-filled buffer",
 }
+REPLACEABLE_OPS = ("all_gather", "reduce_scatter")
 DISABLED = "{op} disabled by configuration (LAMINA_DISABLE_COLLECTIVES)"
 
 
-def _zero3_run(name: str, rank: int) -> dict[str, Any]:
-    runtime = lamina.init()
+def _zero3_run(name: str, runtime: Any) -> dict[str, Any]:
     saved = runtime.backend.unsupported_collectives
     if name == "backend_lacks_both":  # what a backend plugin declares for its vendor library
         runtime.backend.unsupported_collectives = frozenset({"reduce_scatter", "all_gather"})
@@ -444,7 +454,7 @@ def _zero3_run(name: str, rank: int) -> dict[str, Any]:
         wrapped = lamina.distribute(build("mlp"), "zero3", min_unit_numel=0, **ZERO3_CONFIGS[name])
     finally:
         runtime.backend.unsupported_collectives = saved
-    summaries = _train_mlp(wrapped, rank)
+    summaries = _train_mlp(wrapped, runtime.rank)
     plan = wrapped.execution_plan
     full: dict[str, torch.Tensor] = {}
     for state in wrapped.engine.units:
@@ -465,8 +475,8 @@ def _zero3_run(name: str, rank: int) -> dict[str, Any]:
 
 
 def _zero3_job(names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    rank = lamina.init().rank
-    return {name: _zero3_run(name, rank) for name in names}
+    runtime = lamina.init()
+    return {name: _zero3_run(name, runtime) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -502,9 +512,6 @@ def _check_primitives(
     assert run["engine"] == [(gather, scatter)]  # the engine runs what the plan says
     assert run["issued"].keys() == run["ops"].keys(), run["issued"]  # every node, last step
     torch.testing.assert_close(_tensors(run["params"]), _tensors(native["params"]), rtol=0, atol=0)
-
-
-REPLACEABLE_OPS = ("all_gather", "reduce_scatter")
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -74,7 +75,9 @@ def _rank_main(
         _shutdown_quietly()
         sys.exit(1)
     _shutdown_quietly()
-    results.put((rank, "ok", value))
+    # plain pickle copies tensor data; the queue's own pickler would share tensors through
+    # file descriptors that vanish when this process exits
+    results.put((rank, "ok", pickle.dumps(value)))
 
 
 def _shutdown_quietly() -> None:
@@ -147,7 +150,7 @@ def _collect(procs: list[BaseProcess], results: Any, timeout: float) -> list[Any
             continue
         if status == "error":
             raise RankFailure(rank, *payload)
-        values[rank] = payload
+        values[rank] = pickle.loads(payload)
     for rank, proc in enumerate(procs):
         proc.join(timeout=10)
         if proc.exitcode not in (0, None):
@@ -166,7 +169,7 @@ def _check_dead(procs: list[BaseProcess], values: dict[int, Any], results: Any) 
             raise RankFailure(rank, f"died with exit code {proc.exitcode} (no report)") from None
         if status == "error":
             raise RankFailure(late_rank, *payload)
-        values[late_rank] = payload
+        values[late_rank] = pickle.loads(payload)
 
 
 def _kill_all(procs: list[BaseProcess]) -> None:
