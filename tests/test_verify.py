@@ -196,21 +196,24 @@ def mismatching_rank() -> tuple[str, float]:
 
 def rank_two_never_arrives() -> tuple[str, float]:
     dist.init_process_group("gloo")
+    manifest = manifest_of(dist.get_rank(), 3)
+    dist.barrier()  # start together: the timings below then mean what they say
     if dist.get_rank() == 2:
         time.sleep(verify_timeout() + 2)
         return "skipped", 0.0
     if dist.get_rank() == 1:  # rank 0, which hosts the store, gives up first and exits first
         time.sleep(0.5)
-    return _preflight_or_message(manifest_of(dist.get_rank(), 3))
+    return _preflight_or_message(manifest)
 
 
 def rank_two_arrives_late() -> tuple[str, float]:
     dist.init_process_group("gloo")
+    manifest = manifest_of(dist.get_rank(), 3)
+    dist.barrier()
     if dist.get_rank() == 2:
         time.sleep(verify_timeout() + 1)
-    result = _preflight_or_message(manifest_of(dist.get_rank(), 3))
-    if dist.get_rank() == 0:  # keep hosting the store until rank 2 has its verdict
-        time.sleep(2.5)
+    result = _preflight_or_message(manifest)
+    dist.barrier()  # rank 0 keeps hosting the store until rank 2 has its verdict
     return result
 
 
@@ -261,8 +264,8 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_rank_arriving_after_the_others_gave_up_fails_too() -> None:
-    results = run_ranks(rank_two_arrives_late, 3, env={"LAMINA_VERIFY_TIMEOUT": "2"}, timeout=50)
+    results = run_ranks(rank_two_arrives_late, 3, env={"LAMINA_VERIFY_TIMEOUT": "1"}, timeout=50)
     for message, seconds in results:
-        assert "rank(s) [2] did not arrive within 2 s" in message, message
+        assert "rank(s) [2] did not arrive within 1 s" in message, message
         assert seconds < 10
     assert results[2][1] < 1  # it learns the verdict at once instead of waiting

@@ -165,6 +165,14 @@ def init(
         if owns and dist.is_initialized():  # leave nothing half-built behind
             dist.destroy_process_group()
         raise
+    from lamina.trace.recorder import start_from_env
+
+    start_from_env(
+        launch.rank,
+        launch.world_size,
+        chosen.name,
+        str(dist.get_backend()) if dist.is_initialized() else "none",
+    )
     _RUNTIME = Runtime(
         launch.rank,
         launch.world_size,
@@ -189,6 +197,9 @@ def shutdown() -> None:
     runtime, _RUNTIME = _RUNTIME, None
     if runtime is None:
         return
+    from lamina.trace import recorder
+
+    recorder.stop(write=True)  # DIR/rank<r>.jsonl when $LAMINA_TRACE is set
     # Drop the mesh's process groups before destroying the default group: a gloo group
     # still referenced at interpreter exit can abort the process ("terminate called
     # without an active exception").

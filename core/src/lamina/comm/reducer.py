@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,11 +51,17 @@ class _BucketState:
 class CommObserver(Protocol):
     """Hears what the reducer issues (``lamina.runtime.RunLog`` is one)."""
 
-    def issued(self, node_id: str, nbytes: int | None = None) -> None:
-        """The collective of plan node ``node_id`` was issued."""
+    def collective(self, node_id: str, nbytes: int | None = None) -> AbstractContextManager[Any]:
+        """Wraps issuing plan node ``node_id``'s collective; the handle takes ``.work``."""
 
     def fallback(self, node_id: str, alternative: str, reason: str) -> object:
         """Plan node ``node_id`` switched to ``alternative`` at run time."""
+
+    def begin_backward(self) -> None:
+        """The first gradient of a backward is ready."""
+
+    def end_backward(self) -> None:
+        """Backward's computation ended."""
 
 
 @dataclass
@@ -138,6 +144,8 @@ class GradientReducer:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                if self.observer is not None:
+                    self.observer.begin_backward()
             self._land_in_bucket(state, k)
             state.ready.add(k)
             if len(state.ready) == len(state.params) and state.work is None:
@@ -170,9 +178,15 @@ class GradientReducer:
         payload = state.buffer
         if state.codec is not None:
             payload = state.wire = state.codec.encode(state.buffer)
-        state.work = dist.all_reduce(payload, group=self.group, async_op=True)
-        if self.observer is not None:
-            self.observer.issued(state.node, payload.numel() * payload.element_size())
+        with self._traced(state.node, payload) as handle:
+            state.work = dist.all_reduce(payload, group=self.group, async_op=True)
+            if handle is not None:
+                handle.work = state.work
+
+    def _traced(self, node: str, payload: torch.Tensor) -> AbstractContextManager[Any]:
+        if self.observer is None:
+            return nullcontext(None)
+        return self.observer.collective(node, payload.numel() * payload.element_size())
 
     def _complete(self, state: _BucketState) -> None:
         """Wait for the bucket; decode a compressed one (resent uncompressed on overflow)."""
@@ -191,14 +205,15 @@ class GradientReducer:
                 "uncompressed",
                 f"codec {state.codec.name} overflowed: resent uncompressed",
             )
-        dist.all_reduce(state.buffer, group=self.group)  # still holds this rank's mean share
-        if self.observer is not None:
-            self.observer.issued(state.node, state.buffer.numel() * state.buffer.element_size())
+        with self._traced(state.node, state.buffer):  # still holds this rank's mean share
+            dist.all_reduce(state.buffer, group=self.group)
 
     def _finish_backward(self) -> None:
         """End of backward: launch partial buckets, wait for all, reset for the next step."""
         with self._lock:
             self._callback_queued = False
+            if self.observer is not None:
+                self.observer.end_backward()
             for state in self._buckets:
                 if state.work is None:
                     for k, view in enumerate(state.views):
@@ -224,11 +239,9 @@ class GradientReducer:
         for param in self._stray:
             if param.grad is not None and self.world_size > 1:
                 param.grad.div_(self.world_size)
-                dist.all_reduce(param.grad, group=self.group)
+                with self._traced(self._excluded_node, param.grad):
+                    dist.all_reduce(param.grad, group=self.group)
                 self.stats.stray_params += 1
-                if self.observer is not None:
-                    nbytes = param.grad.numel() * param.grad.element_size()
-                    self.observer.issued(self._excluded_node, nbytes)
 
     # -- user-facing controls ------------------------------------------------------------
     @contextmanager

@@ -13,7 +13,7 @@ the full gradient straight into the shard's gradient and drops the buffer again.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,10 +26,16 @@ from lamina.memory.layout import UnitLayout
 
 
 class GatherObserver(Protocol):
-    """Hears every collective a unit issues, by execution-plan node id."""
+    """Hears every collective a unit issues, by execution-plan node id (the run log)."""
 
-    def issued(self, node_id: str, nbytes: int | None = None) -> None:
-        """The collective of plan node ``node_id`` was issued."""
+    def collective(self, node_id: str, nbytes: int | None = None) -> AbstractContextManager[Any]:
+        """Wraps issuing plan node ``node_id``'s collective; the handle takes ``.work``."""
+
+    def begin_backward(self) -> None:
+        """Backward started."""
+
+    def end_backward(self) -> None:
+        """Backward's computation ended."""
 
 
 @dataclass
@@ -54,9 +60,11 @@ class UnitState:
     pending: Any = None
     gathers: int = field(default=0)
 
-    def _issued(self, role: str) -> None:
-        if self.observer is not None and self.layout.world_size > 1:
-            self.observer.issued(self.nodes.get(role, f"{self.layout.name}.{role}"))
+    def traced(self, role: str) -> AbstractContextManager[Any]:
+        """Context around issuing this unit's ``role`` collective ("fwd", "bwd", "scatter")."""
+        if self.observer is None or self.layout.world_size == 1:
+            return nullcontext(None)
+        return self.observer.collective(self.nodes.get(role, f"{self.layout.name}.{role}"))
 
     def start_gather(self, phase: str = "fwd") -> None:
         """Begin gathering the full buffer (asynchronously where the backend allows);
@@ -67,8 +75,12 @@ class UnitState:
         buffer = torch.empty(self.layout.total_numel, dtype=dtype, device=self.shard.device)
         with torch.no_grad():
             source = self.shard.detach().to(dtype)  # mixed precision: gather fewer bytes
-            work = gather_full(source, buffer, self.rank, self.primitive, self.group, async_op=True)
-        self._issued(phase)
+            with self.traced(phase) as handle:
+                work = gather_full(
+                    source, buffer, self.rank, self.primitive, self.group, async_op=True
+                )
+                if handle is not None:
+                    handle.work = work
         self.pending = (buffer, work)
         self.gathers += 1
 
@@ -123,8 +135,8 @@ class _GatherUnit(torch.autograd.Function):
         # reduce in the shard's dtype (fp32 master weights under mixed precision)
         grad_full = grad_full.to(unit.shard.dtype)
         primitive = unit.scatter_primitive or unit.primitive
-        grad = reduce_scatter_mean(grad_full, unit.rank, world, primitive, unit.group)
-        unit._issued("scatter")
+        with unit.traced("scatter"):
+            grad = reduce_scatter_mean(grad_full, unit.rank, world, primitive, unit.group)
         unit.release()
         return grad, None
 
@@ -143,6 +155,9 @@ class Zero3Engine:
         self._by_storage: dict[int, UnitState] = {}
         self._forward_order: list[UnitState] = []
         self._recording = True
+        #: Told when a backward starts and ends (the run log, for tracing).
+        self.observer: GatherObserver | None = None
+        self._in_backward = False
 
     # -- forward ------------------------------------------------------------------------
     def enter_unit(self, unit: UnitState) -> None:
@@ -215,12 +230,21 @@ class Zero3Engine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Token):
             return packed  # type: ignore[no-any-return]
+        if not self._in_backward and self.observer is not None:
+            self._in_backward = True
+            self.observer.begin_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         full = packed.unit.wait_gather("bwd")
         previous = self._previous_of(packed.unit)
         if previous is not None:
             previous.start_gather("bwd")  # backward runs the units in reverse
         view = full.as_strided(packed.shape, packed.stride, packed.offset)
         return view
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self.observer is not None:
+            self.observer.end_backward()
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lamina.errors import ConfigError
 from lamina.runtime.plan import ExecutionPlan, format_bytes
+from lamina.trace.events import SpanEvent
+from lamina.trace.recorder import IssueHandle, get_recorder
 
 logger = logging.getLogger("lamina.runtime")
 
@@ -34,19 +39,69 @@ class StepRecord:
 
 
 class RunLog:
-    """Per-step record of running ``plan``; every issued collective names its plan node."""
+    """Per-step record of running ``plan``; every issued collective names its plan node.
+
+    When a trace recorder is active (``$LAMINA_TRACE``) every collective and the
+    forward / backward intervals also go to it.
+    """
 
     def __init__(self, plan: ExecutionPlan) -> None:
         self.plan = plan
         self.events: list[FallbackEvent] = []
         self.current = StepRecord(step=0)
         self.last: StepRecord | None = None
+        self._backward: SpanEvent | None = None
 
     def begin_step(self) -> None:
         """Close the current step (if it issued anything) and open the next one."""
         if self.current.issued or self.current.fallbacks:
             self.last = self.current
             self.current = StepRecord(step=self.current.step + 1)
+        recorder = get_recorder()
+        if recorder is not None:
+            recorder.step = self.current.step
+
+    @contextmanager
+    def collective(self, node_id: str, nbytes: int | None = None) -> Iterator[IssueHandle]:
+        """Around issuing the collective of ``node_id``: counts it and traces it (the
+        caller sets ``handle.work`` to the async work it got, if any)."""
+        self.issued(node_id, nbytes)
+        recorder = get_recorder()
+        spec = self.plan.node(node_id).collective
+        if recorder is None or spec is None:
+            yield IssueHandle(None)
+            return
+        with recorder.collective(
+            op=spec.op,
+            group=spec.group,
+            dtype=spec.wire_dtype or spec.dtype,
+            numel=spec.numel,
+            nbytes=spec.nbytes if nbytes is None else nbytes,
+            node=node_id,
+        ) as handle:
+            yield handle
+
+    @contextmanager
+    def compute(self, name: str) -> Iterator[None]:
+        """A traced compute interval (``forward``) around the block."""
+        recorder = get_recorder()
+        if recorder is None:
+            yield
+            return
+        with recorder.span("compute", name):
+            yield
+
+    def begin_backward(self) -> None:
+        """Backward started producing gradients (traced as a compute span)."""
+        recorder = get_recorder()
+        if recorder is not None and self._backward is None:
+            self._backward = recorder.begin_span("compute", "backward")
+
+    def end_backward(self) -> None:
+        """Backward's computation ended (its collectives may still be in flight)."""
+        span, self._backward = self._backward, None
+        if span is not None:
+            span.end_ns = time.time_ns()
 
     def issued(self, node_id: str, nbytes: int | None = None) -> None:
         """Record that the collective of ``node_id`` was issued (it must be planned)."""

@@ -196,9 +196,10 @@ class DataParallel(nn.Module):
             self.run_log.begin_step()
             if self.broadcast_buffers:
                 self._broadcast_state(self.execution_plan, "forward")
-        if self._forward is not None:
-            return self._forward(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        with self.run_log.compute("forward"):
+            if self._forward is not None:
+                return self._forward(*args, **kwargs)
+            return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the (already averaged) gradients."""
@@ -222,7 +223,6 @@ class DataParallel(nn.Module):
             if node.phase == phase and node.collective and node.collective.op == "broadcast":
                 dtype = node.collective.dtype
                 chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
-                broadcast_coalesced(chosen, self._source, self.group)
-                assert self.run_log is not None or phase == "setup"
-                if self.run_log is not None:
-                    self.run_log.issued(node.id)
+                assert self.run_log is not None
+                with self.run_log.collective(node.id):
+                    broadcast_coalesced(chosen, self._source, self.group)

@@ -98,8 +98,8 @@ class ShardedDataParallel(nn.Module):
             if node.phase == "setup" and node.collective is not None:
                 dtype = node.collective.dtype
                 chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
-                broadcast_coalesced(chosen, source, group)
-                self.run_log.issued(node.id)
+                with self.run_log.collective(node.id):
+                    broadcast_coalesced(chosen, source, group)
         places = _places(module)
         gather_op = _gather_primitive(self.execution_plan)
         scatter_op = _scatter_primitive(self.execution_plan)
@@ -136,6 +136,7 @@ class ShardedDataParallel(nn.Module):
         self.module = module
         self.shards = nn.ParameterList([u.shard for u in units])
         self.engine = Zero3Engine(units, module, reshard_after_forward)
+        self.engine.observer = self.run_log
         #: Units gathered for the whole forward: the root unit, and merged units that do
         #: not correspond to one submodule.
         self._whole_forward: list[UnitState] = []
@@ -160,7 +161,7 @@ class ShardedDataParallel(nn.Module):
         self.engine.drop_stale_prefetches()
         if self.param_dtype is not None:  # mixed precision: floating inputs in param dtype
             args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-        with self.engine.saved_views_as_tokens():
+        with self.engine.saved_views_as_tokens(), self.run_log.compute("forward"):
             for state in self._whole_forward:
                 self.engine.enter_unit(state)
             try:
