@@ -156,23 +156,32 @@ def init(
     handle = chosen.handle()
     device = handle.device_for_local_rank(launch.local_rank)
     handle.set_device(device)
+    from lamina.trace import user_collectives, watchdog
+    from lamina.trace.recorder import get_recorder, start_from_env
+
+    watchdog.timeout_from_env()  # a bad $LAMINA_COLLECTIVE_TIMEOUT fails before any group
     owns = _init_process_group(chosen, launch, timeout)
     try:
         control = _control_group(chosen, launch)
         topo = _build_topology(topology, chosen, plugins, launch, control)
         device_mesh = _build_mesh(mesh, chosen.device_type, topo)
+        start_from_env(
+            launch.rank,
+            launch.world_size,
+            chosen.name,
+            str(dist.get_backend()) if dist.is_initialized() else "none",
+        )
+        user_collectives.install_from_env(get_recorder())
+        watchdog.start_from_env(get_recorder())
     except BaseException:
-        if owns and dist.is_initialized():  # leave nothing half-built behind
+        watchdog.stop_active()  # leave nothing half-built behind
+        user_collectives.uninstall()
+        from lamina.trace import recorder
+
+        recorder.stop(write=False)
+        if owns and dist.is_initialized():
             dist.destroy_process_group()
         raise
-    from lamina.trace.recorder import start_from_env
-
-    start_from_env(
-        launch.rank,
-        launch.world_size,
-        chosen.name,
-        str(dist.get_backend()) if dist.is_initialized() else "none",
-    )
     _RUNTIME = Runtime(
         launch.rank,
         launch.world_size,
@@ -197,8 +206,10 @@ def shutdown() -> None:
     runtime, _RUNTIME = _RUNTIME, None
     if runtime is None:
         return
-    from lamina.trace import recorder
+    from lamina.trace import recorder, user_collectives, watchdog
 
+    watchdog.stop_active()  # before the store it polls goes away
+    user_collectives.uninstall()
     recorder.stop(write=True)  # DIR/rank<r>.jsonl when $LAMINA_TRACE is set
     # Drop the mesh's process groups before destroying the default group: a gloo group
     # still referenced at interpreter exit can abort the process ("terminate called

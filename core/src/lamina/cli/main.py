@@ -9,8 +9,10 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
+from lamina.cli.bench import add_bench_parsers
 from lamina.cli.plan import add_plan_parsers
 from lamina.cli.run import add_run_parser
+from lamina.cli.trace import add_trace_parser
 from lamina.errors import LaminaError
 
 
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
     add_run_parser(sub)
     add_plan_parsers(sub)
+    add_trace_parser(sub)
+    add_bench_parsers(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from torch import nn
 
@@ -65,7 +66,7 @@ def before_first_collective(
     if plan_out:
         path = write_plan(plan, plan_out, rank)
         logger.info("wrote the execution plan to %s; stopping before step 1", path)
-        raise SystemExit(0)
+        _stop(0)
     verify_only = os.environ.get(VERIFY_ONLY_ENV, "") not in ("", "0")
     if runtime is None or not (verify or verify_only):
         return None
@@ -95,10 +96,19 @@ def before_first_collective(
     except VerificationError as exc:
         if verify_only:
             print(f"lamina verify: rank {rank}: FAILED: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(VERIFY_FAILED_STATUS) from None
+            _stop(VERIFY_FAILED_STATUS)
         raise
     if verify_only:
         if rank == 0:
             print(f"lamina verify: OK: {report.summary()}", flush=True)
-        raise SystemExit(0)
+        _stop(0)
     return report
+
+
+def _stop(status: int) -> NoReturn:
+    """End the script here: shut lamina down first (a gloo group still alive at
+    interpreter exit can abort the process), then exit with ``status``."""
+    from lamina.session import shutdown
+
+    shutdown()
+    raise SystemExit(status)

@@ -98,7 +98,17 @@ class TraceRecorder:
             seq = self._seq.get(group, 0)
             self._seq[group] = seq + 1
             event = CollectiveEvent(
-                seq, self.rank, op, group, dtype, numel, nbytes, node, self.step, time.time_ns()
+                seq,
+                self.rank,
+                op,
+                group,
+                dtype,
+                numel,
+                nbytes,
+                node,
+                self.step,
+                time.time_ns(),
+                source=source,
             )
             self._collectives.append(event)
             self.recorded += 1
@@ -106,6 +116,9 @@ class TraceRecorder:
         _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
         try:
             yield handle
+        except BaseException:
+            event.end_ns = time.time_ns()  # raised, not hung: never looks pending
+            raise
         finally:
             _INSIDE.depth -= 1
         work = handle.work
@@ -114,8 +127,10 @@ class TraceRecorder:
             return
         try:
             future = work.get_future()
-        except (AttributeError, RuntimeError):  # a work without futures: time at wait
-            event.end_ns = None
+        except (AttributeError, RuntimeError):
+            # a work without futures (some vendor process groups): its completion cannot
+            # be observed; stamp the issue return so that it never looks hung
+            event.end_ns = time.time_ns()
             return
         future.add_done_callback(lambda _f: _finish(event))
 

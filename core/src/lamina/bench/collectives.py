@@ -1,0 +1,268 @@
+"""An nccl-tests-style sweep of the collectives on the current backend, on every rank.
+
+Launched by ``lamina bench collectives`` under torchrun (``python -m
+lamina.bench.collectives ...`` on each rank; run directly it is a one-rank job). For
+each op and each size (powers of two from ``--min-bytes`` to ``--max-bytes``, float32
+elements) every rank runs ``--warmup`` untimed and ``--iters`` timed calls, each timed
+to the device's completion; the reported time is the slowest rank's median. Sizes
+count the nccl-tests way: all_reduce/broadcast the buffer, all_gather the gathered
+output, reduce_scatter and all_to_all the input. algbw = bytes / time and busbw =
+algbw x :func:`lamina.trace.events.busbw_factor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lamina.errors import ConfigError, LaminaError
+from lamina.runtime.plan import format_bytes
+from lamina.trace.events import busbw_factor
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+DTYPE = torch.float32
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One op at one size: the slowest rank's median time and the bandwidths."""
+
+    op: str
+    bytes: int
+    numel: int
+    ranks: int
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    busbw_factor: float
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready record."""
+        return asdict(self)
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 (K, M, G are powers of 1024; ``KiB``/``KB`` also read)."""
+    match = _SIZE.match(text)
+    if match is None or int(match.group(1)) < 1:
+        raise ConfigError(f"size {text!r} is not a positive byte count like 1K, 256M or 4096")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def sweep_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """``min_bytes``, doubled while it stays <= ``max_bytes``."""
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ConfigError(
+            f"--min-bytes {min_bytes} and --max-bytes {max_bytes} give no sizes; "
+            "use 1 <= min <= max"
+        )
+    sizes = [min_bytes]
+    while sizes[-1] * 2 <= max_bytes:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def _prepare(op: str, nbytes: int, n: int, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """The call that runs ``op`` on about ``nbytes`` and the element count it moves."""
+    count = nbytes // DTYPE.itemsize
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        count -= count % n  # every rank's share must be whole
+    if count < 1:
+        return (lambda: None), 0
+
+    def zeros(numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=DTYPE, device=device)
+
+    if op == "all_reduce":
+        buf = zeros(count)
+        return (lambda: dist.all_reduce(buf)), count
+    if op == "broadcast":
+        buf = zeros(count)
+        return (lambda: dist.broadcast(buf, src=0)), count
+    if op == "all_gather":
+        out, part = zeros(count), zeros(count // n)
+        return (lambda: dist.all_gather_into_tensor(out, part)), count
+    if op == "reduce_scatter":
+        full, part = zeros(count), zeros(count // n)
+        return (lambda: dist.reduce_scatter_tensor(part, full)), count
+    if op == "all_to_all":
+        src, dst = zeros(count), zeros(count)
+        return (lambda: dist.all_to_all_single(dst, src)), count
+    raise ConfigError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
+
+
+def measure(
+    op: str, nbytes: int, *, iters: int, warmup: int, device: torch.device, sync: Callable[[], None]
+) -> Result | None:
+    """Time ``op`` at ``nbytes`` on every rank; None when the size holds no whole share."""
+    n = dist.get_world_size()
+    call, numel = _prepare(op, nbytes, n, device)
+    if numel == 0:
+        return None
+    with warnings.catch_warnings():  # *_into_tensor / *_tensor are deprecated in new torch
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for _ in range(warmup):
+            call()
+        sync()
+        _align(device, sync)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            call()
+            sync()
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    seconds = max(float(slowest.item()), 1e-9)
+    moved = numel * DTYPE.itemsize
+    factor = busbw_factor(op, n)
+    algbw = moved / seconds / 1e9
+    return Result(op, moved, numel, n, seconds * 1e6, algbw, algbw * factor, factor)
+
+
+def _align(device: torch.device, sync: Callable[[], None]) -> None:
+    """A tiny all-reduce as a barrier (``dist.barrier`` guesses devices on some backends)."""
+    dist.all_reduce(torch.zeros(1, device=device))
+    sync()
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep's options (shared by ``lamina bench collectives`` and the rank module)."""
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=OPS,
+        default=list(OPS),
+        metavar="OP",
+        help=f"collectives to sweep (default: all of {', '.join(OPS)})",
+    )
+    parser.add_argument("--min-bytes", default="1K", metavar="SIZE", help="smallest (1K)")
+    parser.add_argument("--max-bytes", default="256M", metavar="SIZE", help="largest (256M)")
+    parser.add_argument("--iters", type=int, default=5, metavar="N", help="timed calls (5)")
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed calls (2)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
+
+
+def check_sweep_arguments(args: argparse.Namespace) -> list[int]:
+    """Validate the sweep options; the sizes to run."""
+    if args.iters < 1:
+        raise ConfigError(f"--iters must be >= 1, got {args.iters}")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    return sweep_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
+
+
+#: The table's columns, as nccl-tests prints them (sizes in bytes).
+HEADER = (
+    f"{'size(B)':>12} {'count':>12} {'op':>15} {'time(us)':>12} {'algbw(GB/s)':>12} "
+    f"{'busbw(GB/s)':>12}"
+)
+
+
+def format_row(result: Result) -> str:
+    """One table row."""
+    return (
+        f"{result.bytes:>12} {result.numel:>12} {result.op:>15} "
+        f"{result.time_us:>12.1f} {result.algbw_gbps:>12.4f} {result.busbw_gbps:>12.4f}"
+    )
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    """Initialize lamina, sweep, print the table on rank 0 (and write ``--json``)."""
+    import lamina
+
+    sizes = check_sweep_arguments(args)
+    runtime = lamina.init()
+    main_rank = runtime.rank == 0
+
+    def sync() -> None:
+        runtime.handle.synchronize(runtime.device)
+
+    def say(line: str) -> None:
+        if main_rank:
+            print(line, flush=True)
+
+    say(
+        f"lamina bench collectives: {runtime.world_size} rank(s), backend {runtime.backend.name} "
+        f"({runtime.backend.collective_backend}), float32, {args.iters} iters, "
+        f"{args.warmup} warmup; time = slowest rank's median"
+    )
+    say(HEADER)
+    try:
+        results = _sweep(args, sizes, runtime.device, sync, say)
+    finally:
+        lamina.shutdown()
+    if main_rank and args.json:
+        report = {
+            "world_size": runtime.world_size,
+            "backend": runtime.backend.name,
+            "collective_backend": runtime.backend.collective_backend,
+            "device": str(runtime.device),
+            "dtype": "float32",
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "results": [r.to_json() for r in results],
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        say(f"results written to {args.json}")
+    return results
+
+
+def _sweep(
+    args: argparse.Namespace,
+    sizes: list[int],
+    device: torch.device,
+    sync: Callable[[], None],
+    say: Callable[[str], None],
+) -> list[Result]:
+    results: list[Result] = []
+    for op in args.ops:
+        for size in sizes:
+            result = measure(
+                op, size, iters=args.iters, warmup=args.warmup, device=device, sync=sync
+            )
+            if result is None:
+                say(f"{size:>12} {'-':>12} {op:>15}   (skipped: no whole share per rank)")
+                continue
+            results.append(result)
+            say(format_row(result))
+    for op in args.ops:
+        mine = [r for r in results if r.op == op]
+        if mine:
+            best = max(mine, key=lambda r: r.busbw_gbps)
+            say(f"peak busbw {op}: {best.busbw_gbps:.4f} GB/s at {format_bytes(best.bytes)}")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of every rank (``python -m lamina.bench.collectives``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lamina.bench.collectives",
+        description="Sweep the collectives over sizes on this job's ranks.",
+    )
+    add_sweep_arguments(parser)
+    try:
+        run(parser.parse_args(argv))
+    except LaminaError as exc:
+        print(f"lamina bench: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

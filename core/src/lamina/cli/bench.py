@@ -1,0 +1,82 @@
+"""``lamina bench collectives``: an nccl-tests-style sweep on the current backend.
+
+Launches ``python -m lamina.bench.collectives`` on ``--nproc-per-node`` ranks with
+torchrun (through ``lamina run``'s launcher); rank 0 prints the table (size, op, time,
+algbw, busbw) as it goes and writes ``--json`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lamina.bench.collectives import add_sweep_arguments, check_sweep_arguments
+from lamina.cli.run import LaunchPlan, check_backend, launch
+from lamina.errors import ConfigError, LaminaError
+from lamina.plugins import BACKEND_ENV
+
+#: The module every rank runs.
+RANK_MODULE = "lamina.bench.collectives"
+
+
+def collectives_command(args: argparse.Namespace) -> int:
+    """Validate the options before any rank starts, then launch the sweep."""
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    check_sweep_arguments(args)
+    requested = args.backend or os.environ.get(BACKEND_ENV)
+    if requested:
+        check_backend(requested.strip())
+    forwarded = [
+        "--ops",
+        *args.ops,
+        "--min-bytes",
+        args.min_bytes,
+        "--max-bytes",
+        args.max_bytes,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+    ]
+    if args.json:
+        forwarded += ["--json", str(Path(args.json).resolve())]
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "-m", RANK_MODULE]
+    return launch(LaunchPlan(args.backend, argv + forwarded, True))
+
+
+def add_bench_parsers(subparsers: Any) -> None:
+    """Register ``bench`` (with its ``collectives`` subcommand) on the ``lamina`` parsers."""
+    bench = subparsers.add_parser("bench", help="micro-benchmarks on this job's devices and links")
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    sweep = kinds.add_parser(
+        "collectives",
+        help="time all_reduce, reduce_scatter, all_gather, all_to_all, broadcast over sizes",
+        description="Sweep the collectives over power-of-two sizes on N ranks of the current "
+        "backend (nccl-tests style): time, algbw and busbw per op and size.",
+    )
+    sweep.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks (1)")
+    sweep.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(func=collectives_command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lamina.cli.bench collectives ...`` (the same as ``lamina bench ...``)."""
+    parser = argparse.ArgumentParser(prog="lamina")
+    add_bench_parsers(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        code: int = args.func(args)
+    except LaminaError as exc:
+        print(f"lamina: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
