@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,31 +44,13 @@ def test_bad_options_fail_before_launch(capsys: pytest.CaptureFixture[str]) -> N
     assert bench_main(["collectives", "--backend", "no-such-backend"]) == 2
 
 
-def _bench_registered() -> bool:
-    from lamina.cli.main import build_parser
-
-    return any(
-        isinstance(action, argparse._SubParsersAction) and "bench" in action.choices
-        for action in build_parser()._actions
-    )
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_sweep_on_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["collectives", "--nproc-per-node", "2", "--backend", "cpu", "--max-bytes", "64K"]
     args += ["--iters", "2", "--warmup", "1", "--json", str(out)]
-    if _bench_registered():
-        result = run_lamina("bench", *args, timeout=80)
-    else:  # until the lead registers `lamina bench`
-        result = subprocess.run(
-            [sys.executable, "-m", "lamina.cli.bench", *args],
-            capture_output=True,
-            text=True,
-            timeout=80,
-            check=False,
-        )
+    result = run_lamina("bench", *args, timeout=80)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("lamina bench collectives: 2 rank(s), backend cpu (gloo)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -246,11 +245,8 @@ def test_watchdog_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
 # -- a real hang on two ranks ---------------------------------------------------------------
 def _hang_rank(folder: str) -> None:
-    runtime = lamina.init(backend="cpu")
-    if rec.get_recorder() is None:  # until lamina.init starts them itself
-        rec.start(rec.TraceRecorder(runtime.rank, runtime.world_size, folder))
-    if watchdog.active() is None:
-        watchdog.start_from_env(rec.get_recorder())
+    runtime = lamina.init(backend="cpu")  # starts the recorder and the watchdog (env)
+    assert rec.get_recorder() is not None and watchdog.active() is not None
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
@@ -269,17 +265,6 @@ def _hang_rank(folder: str) -> None:
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def _cli_has(command: str) -> bool:
-    import argparse
-
-    from lamina.cli.main import build_parser
-
-    return any(
-        isinstance(action, argparse._SubParsersAction) and command in action.choices
-        for action in build_parser()._actions
-    )
 
 
 @pytest.mark.multiprocess
@@ -301,18 +286,7 @@ def test_hang_is_caught_dumped_and_diagnosed(tmp_path: Path) -> None:
     assert re.fullmatch(r"bucket\d+\.all_reduce", stall.node), stall.node
     assert "never by rank(s) [1]; rank 1's last collective" in stall.message
 
-    if _cli_has("trace"):
-        shown = run_lamina("trace", "diagnose", str(tmp_path), timeout=60)
-    else:  # until the lead registers `lamina trace`
-        import subprocess
-
-        shown = subprocess.run(
-            [sys.executable, "-m", "lamina.trace.diagnose", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+    shown = run_lamina("trace", "diagnose", str(tmp_path), timeout=60)
     assert shown.returncode == 1, shown.stderr
     assert "never by rank(s) [1]; rank 1's last collective" in shown.stdout
     assert re.search(r"collective #\d+ bucket\d+\.all_reduce \(all_reduce float32", shown.stdout)
