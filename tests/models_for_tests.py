@@ -86,3 +86,41 @@ def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name in ("gpt", "tied"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     return F.mse_loss(out, target)
+
+
+@torch.fx.wrap
+def sign_flip(x: torch.Tensor) -> torch.Tensor:
+    """A data-dependent branch: fx keeps it as one opaque call, export must guard on it."""
+    if x.sum() > 0:
+        return x
+    return -x
+
+
+class NeedsFx(nn.Module):
+    """torch.export fails on the data-dependent branch; fx traces around it."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 4, d_out: int = 2) -> None:
+        super().__init__()
+        self.a = nn.Linear(d_in, hidden)
+        self.b = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(sign_flip(self.a(x)))
+        return out
+
+
+class NeedsHooks(nn.Module):
+    """Python control flow on a tensor value right in forward (export and fx both fail);
+    ``a`` is called twice."""
+
+    def __init__(self, width: int = 4, d_out: int = 2) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:
+            h = torch.relu(h)
+        out: torch.Tensor = self.b(self.a(h))
+        return out

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lamina.bench.collectives import OPS, parse_size, sweep_sizes
-from lamina.cli.bench import main as bench_main
+from lamina.cli.main import main as lamina_main
 from lamina.errors import ConfigError
 from lamina.testing.cli import run_lamina
 from lamina.trace.events import busbw_factor
@@ -36,12 +36,12 @@ def test_sizes() -> None:
 
 
 def test_bad_options_fail_before_launch(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_main(["collectives", "--max-bytes", "lots"]) == 2
+    assert lamina_main(["bench", "collectives", "--max-bytes", "lots"]) == 2
     assert "size 'lots' is not a positive byte count" in capsys.readouterr().err
-    assert bench_main(["collectives", "--nproc-per-node", "0"]) == 2
+    assert lamina_main(["bench", "collectives", "--nproc-per-node", "0"]) == 2
     assert "--nproc-per-node must be >= 1" in capsys.readouterr().err
-    assert bench_main(["collectives", "--iters", "0"]) == 2
-    assert bench_main(["collectives", "--backend", "no-such-backend"]) == 2
+    assert lamina_main(["bench", "collectives", "--iters", "0"]) == 2
+    assert lamina_main(["bench", "collectives", "--backend", "no-such-backend"]) == 2
 
 
 @pytest.mark.multiprocess

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lamina
 from lamina.comm.codecs import Codec
 from lamina.testing import run_ranks
-from models_for_tests import MLP, batch, build, loss_of
+from models_for_tests import MLP, NeedsFx, NeedsHooks, batch, build, loss_of
 
 STEPS = 3
 WORLD = 2
@@ -41,44 +41,7 @@ LOSS_SCALE = 2.0**30
 SGD_LR = 0.1 / LOSS_SCALE
 
 
-# -- models that force each capture path -------------------------------------------------
-@torch.fx.wrap
-def flip_if_negative(x: torch.Tensor) -> torch.Tensor:
-    """A data-dependent branch that fx keeps as one opaque call and export cannot trace."""
-    if x.sum() > 0:
-        return x
-    return -x
-
-
-class NeedsFx(nn.Module):
-    """export fails on the data-dependent branch; fx traces around it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.b(flip_if_negative(self.a(x)))
-        return out
-
-
-class NeedsHooks(nn.Module):
-    """A data-dependent branch right in forward: export and fx both fail; ``a`` runs twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if h.sum() > 0:
-            h = torch.relu(h)
-        out: torch.Tensor = self.b(self.a(h))
-        return out
-
-
+# -- models that force the compile and codec fallbacks --------------------------------
 class BreaksCompile(MLP):
     """The tests' MLP (same parameters from the same seed) with a graph break in forward:
     eager, export and fx run it unchanged; ``torch.compile(fullgraph=True)`` refuses it."""
@@ -167,9 +130,10 @@ def dp_results() -> list[Results]:
 # -- capture export -> fx -> hooks ----------------------------------------------------
 def _capture_job(rank: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for name, cls in (("fx", NeedsFx), ("hooks", NeedsHooks)):
+    models = {"fx": lambda: NeedsFx(8, 16, 8), "hooks": lambda: NeedsHooks(8, 8)}
+    for name, make in models.items():
         torch.manual_seed(0)
-        reference = cls()
+        reference = make()
         example = _small_batch(0, rank)[0]
         ours = lamina.distribute(copy.deepcopy(reference), "dp", example_inputs=(example,))
         ddp = DDP(reference)

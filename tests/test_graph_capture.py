@@ -12,6 +12,7 @@ from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, CaptureError, capture
+from models_for_tests import NeedsFx, NeedsHooks
 
 METHODS = ("export", "fx", "hooks")
 
@@ -25,39 +26,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-@torch.fx.wrap
-def sign_flip(x: torch.Tensor) -> torch.Tensor:
-    """A data-dependent branch: fx keeps it as one opaque call, export must guard on it."""
-    if x.sum() > 0:
-        return x
-    return -x
-
-
-class NeedsFx(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(sign_flip(self.a(x)))
-
-
-class NeedsHooks(nn.Module):
-    """Python control flow on a tensor value right in forward; ``a`` is called twice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if h.sum() > 0:
-            h = torch.relu(h)
-        return self.b(self.a(h))
 
 
 class Gate(nn.Module):

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lamina.bench.collectives import add_sweep_arguments, check_sweep_arguments
 from lamina.cli.run import LaunchPlan, check_backend, launch
-from lamina.errors import ConfigError, LaminaError
+from lamina.errors import ConfigError
 from lamina.plugins import BACKEND_ENV
 
 #: The module every rank runs.
@@ -63,20 +61,3 @@ def add_bench_parsers(subparsers: Any) -> None:
     sweep.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=collectives_command)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lamina.cli.bench collectives ...`` (the same as ``lamina bench ...``)."""
-    parser = argparse.ArgumentParser(prog="lamina")
-    add_bench_parsers(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        code: int = args.func(args)
-    except LaminaError as exc:
-        print(f"lamina: error: {exc}", file=sys.stderr)
-        return 2
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -197,18 +197,7 @@ class ExecutionPlan:
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``from_dict`` reads it back)."""
-        return {
-            "version": PLAN_VERSION,
-            "strategy": self.strategy,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "graph_fingerprint": self.graph_fingerprint,
-            "meta": dict(self.meta),
-            "nodes": [_node_dict(n) for n in self.nodes],
-            "edges": [list(e) for e in self.edges],
-            "fallbacks": [asdict(f) for f in self.fallbacks],
-            "fingerprint": self.fingerprint,
-        }
+        return {**self.to_dict_without_fingerprint(), "fingerprint": self.fingerprint}
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON text."""

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lamina.envvars import positive_seconds
 from lamina.errors import ConfigError
 from lamina.trace.events import CollectiveEvent
 from lamina.trace.recorder import TRACE_ENV, TraceRecorder
@@ -196,18 +197,7 @@ def _default_store() -> Any | None:
 
 def timeout_from_env() -> float | None:
     """``$LAMINA_COLLECTIVE_TIMEOUT`` in seconds, None when unset (ConfigError if invalid)."""
-    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or not math.isfinite(value):
-        raise ConfigError(
-            f"{COLLECTIVE_TIMEOUT_ENV}={raw!r} must be a positive number of seconds, e.g. 300"
-        )
-    return value
+    return positive_seconds(COLLECTIVE_TIMEOUT_ENV, example=300)
 
 
 def start_from_env(recorder: TraceRecorder | None) -> Watchdog | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
+from lamina.envvars import positive_seconds
 from lamina.errors import ConfigError, VerificationError
 from lamina.verify.diff import find_differences, format_mismatch
 from lamina.verify.manifest import Manifest
@@ -63,18 +63,8 @@ class PreflightReport:
 def verify_timeout(timeout: float | None = None) -> float:
     """``timeout``, else ``$LAMINA_VERIFY_TIMEOUT``, else 120 s; ConfigError if not > 0."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(
-                f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 120"
-            )
-        return value
+        value = positive_seconds(TIMEOUT_ENV, example=DEFAULT_TIMEOUT)
+        return DEFAULT_TIMEOUT if value is None else value
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise ConfigError(
             f"preflight timeout must be a positive number of seconds, got {timeout!r}"
