@@ -27,6 +27,7 @@ COLLECTIVE_TIMEOUT_ENV = "LAMINA_COLLECTIVE_TIMEOUT"
 #: Store key a firing rank sets to its one-line description of the hang.
 ABORT_KEY = "lamina/trace/abort"
 #: Store counter of ranks that have dumped after a hang (so the store outlives the dumps).
+EXITING_KEY = "lamina/trace/exiting"
 DUMPED_KEY = "lamina/trace/dumped"
 DEFAULT_EXIT_CODE = 71
 
@@ -134,7 +135,7 @@ class Watchdog:
         where = self._dump("watchdog")
         self._store_call(lambda s: s.set(ABORT_KEY, message))
         print(f"lamina: {message}; {where}", file=sys.stderr, flush=True)
-        self._finish()
+        self._finish(fired_here=True)
 
     def _fire_peer(self, report: str) -> None:
         rank = self.recorder.rank
@@ -151,7 +152,7 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
-        self._finish()
+        self._finish(fired_here=False)
 
     def _dump(self, reason: str) -> str:
         try:
@@ -162,14 +163,27 @@ class Watchdog:
         folder = path.parent
         return f"ring buffers dumped to {folder}; run `lamina trace diagnose {folder}`"
 
-    def _finish(self) -> None:
-        """Give peers up to ``grace_s`` to dump (a store host must outlive them), then exit."""
+    def _finish(self, *, fired_here: bool) -> None:
+        """Give peers up to ``grace_s`` to dump (a store host must outlive them), then exit.
+
+        The rank that fired exits first: a peer that exited before it would break the
+        collective it is stuck in, and its main thread would die of that error instead
+        of this clean exit. So peers wait (bounded) until it says it is leaving.
+        """
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
             done = self._store_call(lambda s: int(s.add(DUMPED_KEY, 0)))
             if done is None or done >= self.recorder.world_size:
                 break
             time.sleep(0.05)
+        if fired_here:
+            self._store_call(lambda s: s.set(EXITING_KEY, str(self.recorder.rank)))
+        else:
+            while time.monotonic() < deadline + self.grace_s:
+                if self._store_call(lambda s: bool(s.check([EXITING_KEY]))) in (None, True):
+                    break
+                time.sleep(0.05)
+            time.sleep(0.2)  # the firing rank's os._exit follows its store write at once
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit(self.exit_code)
