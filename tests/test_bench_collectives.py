@@ -53,7 +53,8 @@ def test_sweep_on_two_ranks(tmp_path: Path) -> None:
     result = run_lamina("bench", *args, timeout=80)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("lamina bench collectives: 2 rank(s), backend cpu (gloo)")
+    header = "lamina bench collectives: 2 rank(s), backend cpu (gloo)"
+    assert any(line.startswith(header) for line in lines), result.stdout  # gloo may chatter
     rows = {}
     for line in lines:
         cells = line.split()

@@ -35,7 +35,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
-def _launch(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _launch(args: argparse.Namespace, env: dict[str, str], quiet_dir: Path | None = None) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if not Path(args.script).is_file():
@@ -43,13 +43,10 @@ def _launch(args: argparse.Namespace, env: dict[str, str]) -> int:
     requested = args.backend or os.environ.get(BACKEND_ENV)
     if requested:
         check_backend(requested.strip())
-    argv = [
-        "--standalone",
-        "--nproc-per-node",
-        str(args.nproc_per_node),
-        args.script,
-        *args.script_args,
-    ]
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
+    if quiet_dir is not None:  # the ranks' stdout (script prints, gloo chatter) to files
+        argv += ["--redirects", "1", "--log-dir", str(quiet_dir)]
+    argv += [args.script, *args.script_args]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -76,7 +73,7 @@ def read_plans(folder: Path, nproc: int) -> list[ExecutionPlan]:
 def plan_command(args: argparse.Namespace) -> int:
     """``lamina plan``: build the plan without training and print it."""
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
-        status = _launch(args, {PLAN_OUT_ENV: tmp})
+        status = _launch(args, {PLAN_OUT_ENV: tmp}, quiet_dir=Path(tmp) / "logs")
         if status != 0:
             print(f"lamina plan: the script failed (exit {status})", file=sys.stderr)
             return status

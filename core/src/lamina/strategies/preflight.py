@@ -106,9 +106,10 @@ def before_first_collective(
 
 
 def _stop(status: int) -> NoReturn:
-    """End the script here: shut lamina down first (a gloo group still alive at
-    interpreter exit can abort the process), then exit with ``status``."""
-    from lamina.session import shutdown
-
-    shutdown()
-    raise SystemExit(status)
+    """End the script here with ``status``, without interpreter teardown: destroying a
+    gloo group while a peer process is already gone can abort (SIGABRT) instead of
+    exiting with the status ``lamina plan`` / ``lamina verify`` report. No collective of
+    the job has run yet, so there is nothing to finish."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
