@@ -7,11 +7,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from lamina.comm.buckets import BucketPlan
 from lamina.comm.codecs import Codec
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
+from lamina.runtime.broadcasts import broadcast_nodes, torch_dtype
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
 
 FORWARD = "forward"
@@ -23,16 +22,6 @@ EXCLUDED = "excluded.all_reduce"
 def bucket_node(index: int) -> str:
     """Node id of bucket ``index``'s all-reduce."""
     return f"bucket{index}.all_reduce"
-
-
-def setup_node(dtype: str) -> str:
-    """Node id of the wrap-time broadcast of all ``dtype`` parameters and buffers."""
-    return f"setup.broadcast.{dtype}"
-
-
-def buffers_node(dtype: str) -> str:
-    """Node id of the per-step broadcast of all ``dtype`` buffers."""
-    return f"buffers.broadcast.{dtype}"
 
 
 @dataclass(frozen=True)
@@ -76,7 +65,7 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
     for bucket in inputs.buckets.buckets:
         node_id = bucket_node(bucket.index)
         codec = inputs.codec
-        applies = codec is not None and codec.applies_to(_dtype(bucket.dtype))
+        applies = codec is not None and codec.applies_to(torch_dtype(bucket.dtype))
         failed = checks.get(bucket.dtype, "") if applies else ""
         wire = codec if applies and not failed else None
         spec = CollectiveSpec(
@@ -131,10 +120,8 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
     world = len(inputs.group)
     fallbacks = _capture_fallbacks(inputs.graph)
     if world > 1:
-        for dtype, numel in inputs.setup_state:
-            nodes.append(_broadcast(setup_node(dtype), "setup", dtype, numel, inputs.group))
-        for dtype, numel in inputs.step_buffers:
-            node = _broadcast(buffers_node(dtype), "forward", dtype, numel, inputs.group)
+        nodes += broadcast_nodes("setup", inputs.setup_state, inputs.group)
+        for node in broadcast_nodes("forward", inputs.step_buffers, inputs.group):
             nodes.append(node)
             edges.append((node.id, FORWARD))
     mode = f"compiled:{inputs.compile_backend}" if inputs.compile_backend else "eager"
@@ -189,20 +176,6 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
     )
 
 
-def _broadcast(
-    node_id: str, phase: str, dtype: str, numel: int, group: tuple[int, ...]
-) -> PlanNode:
-    what = "parameters and buffers" if phase == "setup" else "buffers"
-    return PlanNode(
-        node_id,
-        "collective",
-        phase,
-        f"broadcast {dtype} {what} from rank {group[0]}",
-        CollectiveSpec("broadcast", dtype, numel, _dtype(dtype).itemsize, group),
-        attrs(source=group[0], when="wrap time" if phase == "setup" else "training forward"),
-    )
-
-
 def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
     numel = sum(math.prod(inputs.graph.param_shapes[n]) for n in inputs.buckets.excluded)
     dtype = inputs.graph.param_dtypes[inputs.buckets.excluded[0]].removeprefix("torch.")
@@ -212,13 +185,6 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
         "backward",
         f"all-reduce of {len(inputs.buckets.excluded)} parameter(s) unused in the captured "
         "forward, only if they get a gradient",
-        CollectiveSpec("all_reduce", dtype, numel, _dtype(dtype).itemsize, inputs.group),
+        CollectiveSpec("all_reduce", dtype, numel, torch_dtype(dtype).itemsize, inputs.group),
         attrs(conditional="true", params=len(inputs.buckets.excluded)),
     )
-
-
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return value

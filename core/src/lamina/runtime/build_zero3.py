@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from lamina.memory.layout import ShardLayout, UnitLayout
+from lamina.runtime.broadcasts import broadcast_nodes, torch_dtype
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
 from lamina.runtime.primitives import PrimitiveChoice
 
@@ -22,11 +21,6 @@ def gather_node(unit: str, phase: str) -> str:
 def scatter_node(unit: str) -> str:
     """Node id of ``unit``'s gradient reduce-scatter."""
     return f"{unit}.reduce_scatter"
-
-
-def setup_node(dtype: str) -> str:
-    """Node id of the wrap-time broadcast of the ``dtype`` parameters and buffers."""
-    return f"setup.broadcast.{dtype}"
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ class Zero3PlanInputs:
 
 def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     dtype = inputs.compute_dtype or unit.dtype
-    size = _itemsize(dtype)
+    size = torch_dtype(dtype).itemsize
     return CollectiveSpec(inputs.gather.op, dtype, unit.total_numel, size, inputs.group)
 
 
@@ -69,17 +63,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     fallbacks: list[Fallback] = []
     world = len(inputs.group)
     if world > 1:
-        for dtype, numel in inputs.setup_state:
-            nodes.append(
-                PlanNode(
-                    setup_node(dtype),
-                    "collective",
-                    "setup",
-                    f"broadcast {dtype} parameters and buffers from rank {inputs.group[0]}",
-                    CollectiveSpec("broadcast", dtype, numel, _itemsize(dtype), inputs.group),
-                    attrs(source=inputs.group[0], when="wrap time"),
-                )
-            )
+        nodes += broadcast_nodes("setup", inputs.setup_state, inputs.group)
     previous = ""
     for unit in order:  # forward
         gather = gather_node(unit.name, "fwd")
@@ -165,9 +149,3 @@ def _fallback(node_id: str, choice: PrimitiveChoice, alternative: str) -> Fallba
         taken=choice.fell_back,
         reason=choice.reason,
     )
-
-
-def _itemsize(dtype: str) -> int:
-    value = getattr(torch, dtype)
-    assert isinstance(value, torch.dtype), dtype
-    return value.itemsize

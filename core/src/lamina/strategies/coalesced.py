@@ -1,4 +1,5 @@
-"""Broadcast many tensors of one dtype as one flat buffer (one collective, not one each)."""
+"""Broadcast many tensors of one dtype as one flat buffer (one collective, not one each),
+as the execution plan's broadcast nodes say."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from lamina.runtime import RunLog
 
 
 def dtype_totals(tensors: Sequence[torch.Tensor]) -> list[tuple[str, int]]:
@@ -31,3 +34,19 @@ def broadcast_coalesced(
             n = tensor.numel()
             tensor.data.copy_(flat[offset : offset + n].view_as(tensor))
             offset += n
+
+
+def run_broadcast_nodes(
+    log: RunLog,
+    phase: str,
+    tensors: Sequence[torch.Tensor],
+    source: int,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Run the plan's broadcast nodes of ``phase``, each over the ``tensors`` of its dtype."""
+    for node in log.plan.collectives():
+        spec = node.collective
+        if node.phase == phase and spec is not None and spec.op == "broadcast":
+            chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == spec.dtype]
+            with log.collective(node.id):
+                broadcast_coalesced(chosen, source, group)

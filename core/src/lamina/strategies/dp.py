@@ -27,7 +27,7 @@ from lamina.graph import CAPTURE_METHODS, CapturedGraph, capture
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.runtime import build_dp as plan_dp
 from lamina.runtime.compiled import CompiledForward, compile_backend_of
-from lamina.strategies.coalesced import broadcast_coalesced, dtype_totals
+from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.preflight import before_first_collective
 from lamina.verify import PreflightReport
 
@@ -127,7 +127,7 @@ class DataParallel(nn.Module):
             execution, self.module, verify=self._verify, graph=self.graph
         )
         self.execution_plan, self.run_log = execution, RunLog(execution)
-        self._broadcast_state(execution, "setup")
+        self._broadcast_state("setup")
         self.reducer = GradientReducer(
             self.plan,
             named,
@@ -195,7 +195,7 @@ class DataParallel(nn.Module):
         if self.module.training and torch.is_grad_enabled():
             self.run_log.begin_step()
             if self.broadcast_buffers:
-                self._broadcast_state(self.execution_plan, "forward")
+                self._broadcast_state("forward")
         with self.run_log.compute("forward"):
             if self._forward is not None:
                 return self._forward(*args, **kwargs)
@@ -213,16 +213,11 @@ class DataParallel(nn.Module):
         with self.reducer.no_sync():
             yield
 
-    def _broadcast_state(self, execution: ExecutionPlan, phase: str) -> None:
-        """Run the plan's broadcast nodes of ``phase``: parameters and buffers at setup,
-        buffers before each training forward; one coalesced broadcast per dtype."""
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        if phase != "setup":
-            tensors = list(self.module.buffers())
-        for node in execution.collectives():
-            if node.phase == phase and node.collective and node.collective.op == "broadcast":
-                dtype = node.collective.dtype
-                chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
-                assert self.run_log is not None
-                with self.run_log.collective(node.id):
-                    broadcast_coalesced(chosen, self._source, self.group)
+    def _broadcast_state(self, phase: str) -> None:
+        """The plan's broadcasts of ``phase``: parameters and buffers at setup, buffers
+        before each training forward."""
+        assert self.run_log is not None
+        tensors = list(self.module.buffers())
+        if phase == "setup":
+            tensors = [*self.module.parameters(), *tensors]
+        run_broadcast_nodes(self.run_log, phase, tensors, self._source, self.group)

@@ -28,7 +28,7 @@ from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.runtime import build_zero3 as plan_z3
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
-from lamina.strategies.coalesced import broadcast_coalesced, dtype_totals
+from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.preflight import before_first_collective
 from lamina.verify import PreflightReport
 
@@ -93,13 +93,8 @@ class ShardedDataParallel(nn.Module):
             self.execution_plan, module, verify=verify, layout=self.layout
         )
         self.run_log = RunLog(self.execution_plan)
-        tensors = [*module.parameters(), *module.buffers()]
-        for node in self.execution_plan.collectives():
-            if node.phase == "setup" and node.collective is not None:
-                dtype = node.collective.dtype
-                chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == dtype]
-                with self.run_log.collective(node.id):
-                    broadcast_coalesced(chosen, source, group)
+        initial = [*module.parameters(), *module.buffers()]
+        run_broadcast_nodes(self.run_log, "setup", initial, source, group)
         places = _places(module)
         gather_op = _gather_primitive(self.execution_plan)
         scatter_op = _scatter_primitive(self.execution_plan)

@@ -1,0 +1,48 @@
+"""Plan nodes both strategies share: broadcasts of rank 0's state, and dtype lookups."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lamina.runtime.plan import CollectiveSpec, PlanNode, attrs
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"float32"``); ValueError when there is none."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return value
+
+
+def setup_node(dtype: str) -> str:
+    """Node id of the wrap-time broadcast of all ``dtype`` parameters and buffers."""
+    return f"setup.broadcast.{dtype}"
+
+
+def buffers_node(dtype: str) -> str:
+    """Node id of the per-step broadcast of all ``dtype`` buffers."""
+    return f"buffers.broadcast.{dtype}"
+
+
+def broadcast_nodes(
+    phase: str, state: Sequence[tuple[str, int]], group: tuple[int, ...]
+) -> list[PlanNode]:
+    """One coalesced broadcast from the group's first rank per (dtype, numel) of ``state``:
+    ``phase="setup"`` at wrap time (parameters and buffers), ``"forward"`` before each
+    training forward (buffers)."""
+    setup = phase == "setup"
+    what = "parameters and buffers" if setup else "buffers"
+    return [
+        PlanNode(
+            setup_node(dtype) if setup else buffers_node(dtype),
+            "collective",
+            phase,
+            f"broadcast {dtype} {what} from rank {group[0]}",
+            CollectiveSpec("broadcast", dtype, numel, torch_dtype(dtype).itemsize, group),
+            attrs(source=group[0], when="wrap time" if setup else "training forward"),
+        )
+        for dtype, numel in state
+    ]
