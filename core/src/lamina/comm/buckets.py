@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 
 MIB = 2**20
@@ -244,8 +245,9 @@ class _BucketBuilder:
         assert self.dtype is not None
         size = torch.empty((), dtype=self.dtype).element_size()
         numel = _aligned(self.offset, max(1, self.alignment // size))
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        self.buckets.append(Bucket(len(self.buckets), dtype_name, tuple(self.slots), numel, size))
+        self.buckets.append(
+            Bucket(len(self.buckets), dtype_name(self.dtype), tuple(self.slots), numel, size)
+        )
         self.slots, self.offset = [], 0
 
     def finish(self) -> list[Bucket]:

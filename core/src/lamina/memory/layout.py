@@ -23,23 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.errors import ConfigError
 from lamina.memory.units import check_units, group_units
 
 LAYOUT_VERSION = 1
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"unknown dtype {name!r} in shard layout; use a torch dtype name")
-    return dtype
 
 
 def check_world_size(world_size: int) -> None:

@@ -1,20 +1,11 @@
-"""Plan nodes both strategies share: broadcasts of rank 0's state, and dtype lookups."""
+"""Plan nodes both strategies share: the broadcasts of rank 0's state."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
+from lamina.dtypes import dtype_from_name
 from lamina.runtime.plan import CollectiveSpec, PlanNode, attrs
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (``"float32"``); ValueError when there is none."""
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return value
 
 
 def setup_node(dtype: str) -> str:
@@ -41,7 +32,7 @@ def broadcast_nodes(
             "collective",
             phase,
             f"broadcast {dtype} {what} from rank {group[0]}",
-            CollectiveSpec("broadcast", dtype, numel, torch_dtype(dtype).itemsize, group),
+            CollectiveSpec("broadcast", dtype, numel, dtype_from_name(dtype).itemsize, group),
             attrs(source=group[0], when="wrap time" if setup else "training forward"),
         )
         for dtype, numel in state

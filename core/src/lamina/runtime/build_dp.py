@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from lamina.comm.buckets import BucketPlan
 from lamina.comm.codecs import Codec
+from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
-from lamina.runtime.broadcasts import broadcast_nodes, torch_dtype
+from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
 
 FORWARD = "forward"
@@ -65,7 +66,7 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
     for bucket in inputs.buckets.buckets:
         node_id = bucket_node(bucket.index)
         codec = inputs.codec
-        applies = codec is not None and codec.applies_to(torch_dtype(bucket.dtype))
+        applies = codec is not None and codec.applies_to(dtype_from_name(bucket.dtype))
         failed = checks.get(bucket.dtype, "") if applies else ""
         wire = codec if applies and not failed else None
         spec = CollectiveSpec(
@@ -74,7 +75,7 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
             numel=bucket.numel,
             element_size=bucket.element_size,
             group=inputs.group,
-            wire_dtype=str(wire.wire_dtype).removeprefix("torch.") if wire else None,
+            wire_dtype=dtype_name(wire.wire_dtype) if wire else None,
             wire_element_size=wire.wire_dtype.itemsize if wire else None,
         )
         names = bucket.param_names
@@ -185,6 +186,6 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
         "backward",
         f"all-reduce of {len(inputs.buckets.excluded)} parameter(s) unused in the captured "
         "forward, only if they get a gradient",
-        CollectiveSpec("all_reduce", dtype, numel, torch_dtype(dtype).itemsize, inputs.group),
+        CollectiveSpec("all_reduce", dtype, numel, dtype_from_name(dtype).itemsize, inputs.group),
         attrs(conditional="true", params=len(inputs.buckets.excluded)),
     )

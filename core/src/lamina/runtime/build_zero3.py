@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lamina.dtypes import dtype_from_name
 from lamina.memory.layout import ShardLayout, UnitLayout
-from lamina.runtime.broadcasts import broadcast_nodes, torch_dtype
+from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
 from lamina.runtime.primitives import PrimitiveChoice
 
@@ -43,7 +44,7 @@ class Zero3PlanInputs:
 
 def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     dtype = inputs.compute_dtype or unit.dtype
-    size = torch_dtype(dtype).itemsize
+    size = dtype_from_name(dtype).itemsize
     return CollectiveSpec(inputs.gather.op, dtype, unit.total_numel, size, inputs.group)
 
 

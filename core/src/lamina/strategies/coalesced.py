@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lamina.dtypes import dtype_name
 from lamina.runtime import RunLog
 
 
@@ -15,7 +16,7 @@ def dtype_totals(tensors: Sequence[torch.Tensor]) -> list[tuple[str, int]]:
     """(dtype name, total elements) per dtype, in order of first appearance."""
     totals: dict[str, int] = {}
     for tensor in tensors:
-        name = str(tensor.dtype).removeprefix("torch.")
+        name = dtype_name(tensor.dtype)
         totals[name] = totals.get(name, 0) + tensor.numel()
     return [(name, numel) for name, numel in totals.items() if numel > 0]
 
@@ -47,6 +48,6 @@ def run_broadcast_nodes(
     for node in log.plan.collectives():
         spec = node.collective
         if node.phase == phase and spec is not None and spec.op == "broadcast":
-            chosen = [t for t in tensors if str(t.dtype).removeprefix("torch.") == spec.dtype]
+            chosen = [t for t in tensors if dtype_name(t.dtype) == spec.dtype]
             with log.collective(node.id):
                 broadcast_coalesced(chosen, source, group)

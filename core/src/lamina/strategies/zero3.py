@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
 from lamina.memory import state as shard_state
@@ -260,7 +261,7 @@ def _build_plan(
             gather=choice("all_gather"),
             scatter=choice("reduce_scatter"),
             setup_state=dtype_totals([*module.parameters(), *module.buffers()]),
-            compute_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else None,
+            compute_dtype=dtype_name(param_dtype) if param_dtype else None,
             reshard_after_forward=reshard_after_forward,
         )
     )

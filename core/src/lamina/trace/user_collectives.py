@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.trace.recorder import TRACE_ENV, TraceRecorder, inside_lamina_collective
 
@@ -183,4 +184,4 @@ def _size(value: Any) -> tuple[str, int, int]:
         return "none", 0, 0
     numel = sum(t.numel() for t in tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return str(tensors[0].dtype).removeprefix("torch."), numel, nbytes
+    return dtype_name(tensors[0].dtype), numel, nbytes

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
+from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,10 +98,6 @@ def _digest(lines: Sequence[str]) -> bytes:
     return hashlib.sha256("\n".join(lines).encode("utf-8")).digest()
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def world_lines(world_size: int) -> tuple[str, ...]:
     """The number of ranks the job was launched with."""
     return (f"world_size={world_size}",)
@@ -121,7 +117,7 @@ def parameter_lines(module: nn.Module) -> tuple[str, ...]:
     """One line per parameter in ``named_parameters()`` order (tied ones once):
     ``"<name>: <shape> <dtype> requires_grad=<bool>"``."""
     return tuple(
-        f"{name}: {list(p.shape)} {_dtype(p.dtype)} requires_grad={p.requires_grad}"
+        f"{name}: {list(p.shape)} {dtype_name(p.dtype)} requires_grad={p.requires_grad}"
         for name, p in module.named_parameters()
     )
 
