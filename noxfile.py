@@ -4,6 +4,18 @@ Each backend session gets its own torch build, because one torch build carries o
 accelerator (torch_npu refuses a CUDA build, torch_xla needs its own torch release).
 Sessions: lint (ruff), typecheck (mypy), tests(<backend>), train (the README's main job:
 the GPT example on 2 ranks), smoke (a 2-rank all-reduce).
+
+Which core tests (``tests/``) each backend session runs, by marker (declared in
+pyproject.toml, set per module with ``pytestmark``):
+
+- ``tests(cpu)``: all of them, once (every core test runs here at least).
+- ``tests(xla)``: ``portable or multiprocess``: what depends on the torch build or the
+  installed backends (imports and plugins, graph capture, kernels, streams, DP and ZeRO-3
+  equivalence with DDP, plan and verify, trace), and every test that starts real ranks,
+  so that the equivalence and multi-process tests run on a second torch release (2.9).
+- ``tests(cuda)``, ``tests(npu)``: ``portable``.
+
+Every backend session also runs its backend's own tests (conformance kit included).
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ class BackendSession:
     test_paths: list[str] = field(default_factory=list)
     #: Environment for the tests.
     env: dict[str, str] = field(default_factory=dict)
+    #: pytest ``-m`` expression selecting the core tests to run (None: all of them).
+    core_tests: str | None = "portable"
 
 
 BACKENDS: dict[str, BackendSession] = {
@@ -36,6 +50,7 @@ BACKENDS: dict[str, BackendSession] = {
         torch=["torch==2.13.0"],
         packages=["plugins/template_backend"],
         test_paths=["plugins/template_backend/tests"],
+        core_tests=None,
     ),
     # CUDA build of torch (brings triton); runs everything that needs no GPU here and the
     # whole backend suite (conformance, Triton kernels, live NVML) on a GPU machine.
@@ -51,6 +66,7 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/xla[test]"],
         test_paths=["backends/xla/tests"],
         env={"PJRT_DEVICE": "CPU"},
+        core_tests="portable or multiprocess",
     ),
     # torch_npu beside the CPU torch: without the CANN toolkit this proves the unavailable
     # path end to end (import torch still works, `lamina info` names libhccl.so).
@@ -62,6 +78,10 @@ BACKENDS: dict[str, BackendSession] = {
 }
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
+#: pytest-xdist for the core tests: one worker per core (at most 4), a file's tests in one
+#: worker so that a module's shared 2-rank job starts once. Most of a multi-process test
+#: is waiting on other processes, so two workers on two cores finish ~25% sooner.
+PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
 #: Every package whose sources mypy checks (core and each backend).
 TYPED_PACKAGES = [
     "core",
@@ -99,11 +119,13 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("backend", list(BACKENDS), ids=list(BACKENDS))
 def tests(session: nox.Session, backend: str) -> None:
-    """Core suite plus the backend's own tests, with that backend's torch build."""
+    """Core tests (all, or the backend's marked share) plus the backend's own tests."""
     spec = BACKENDS[backend]
     install_for(session, spec)
     session.run("lamina", "info", env=spec.env)
-    session.run("pytest", "-ra", "--durations=5", "tests", *session.posargs, env=spec.env)
+    select = ["-m", spec.core_tests] if spec.core_tests else []
+    core = ["pytest", "-ra", "--durations=5", *PARALLEL, *select, "tests", *session.posargs]
+    session.run(*core, env=spec.env)
     # The backend's own tests verbosely, so the log shows each check that ran or skipped.
     session.run("pytest", "-v", "-ra", *spec.test_paths, *session.posargs, env=spec.env)
 

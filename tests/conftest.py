@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _core_jobs_on_cpu() -> Iterator[None]:
+    """``LAMINA_BACKEND=cpu`` for the whole session, so that module-scoped jobs (set up
+    before any function-scoped fixture) also start their ranks on cpu, whatever
+    accelerator backend is installed beside core."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAMINA_BACKEND", "cpu")
+        yield
 
 
 @pytest.fixture(autouse=True)
 def _core_tests_on_cpu(lamina_clean: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Core tests pin ``LAMINA_BACKEND=cpu`` so that they mean the same thing in every nox
-    session, whatever accelerator backend is installed beside core."""
+    session, whatever accelerator backend is installed beside core (``lamina_clean``
+    removes launcher variables first)."""
     monkeypatch.setenv("LAMINA_BACKEND", "cpu")

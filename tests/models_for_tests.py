@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -71,8 +72,14 @@ def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor,
     return torch.randn(size, width, generator=gen), torch.randn(size, width, generator=gen)
 
 
-def build(name: str) -> nn.Module:
-    torch.manual_seed(0)
+def build(name: str, seed: int = 0) -> nn.Module:
+    """Model ``name`` initialized from ``seed``.
+
+    Equivalence tests on several ranks pass ``seed=rank``: the ranks then start from
+    different weights, and only the wrappers' wrap-time broadcast of rank 0's state makes
+    them agree, so a test comparing with torch DDP fails when that broadcast is missing.
+    """
+    torch.manual_seed(seed)
     return {
         "mlp": MLP,
         "gpt": tiny_gpt,
@@ -86,6 +93,48 @@ def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name in ("gpt", "tied"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     return F.mse_loss(out, target)
+
+
+def differs_from_rank0(name: str, model: nn.Module) -> bool:
+    """Whether ``model`` holds other weights than ``build(name, seed=0)`` (rank 0's): the
+    check that a rank-dependent start really starts apart."""
+    rank0 = build(name, seed=0).parameters()
+    return any(not torch.equal(a, b) for a, b in zip(model.parameters(), rank0, strict=True))
+
+
+def _grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient; zeros when it has none (a parameter the forward did not use,
+    which torch DDP may leave without a gradient)."""
+    return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
+
+
+def grad_diff(ours: Iterable[torch.Tensor], reference: Iterable[torch.Tensor]) -> float:
+    """Largest gradient difference between two models' parameters (in the same order),
+    relative to the reference's largest gradient: a wrongly scaled average (forgetting to
+    divide by the world size, or dividing twice) gives 0.5 or more."""
+    diff, scale = 0.0, 0.0
+    for a, b in zip(ours, reference, strict=True):
+        ga, gb = _grad_or_zeros(a).float(), _grad_or_zeros(b).float()
+        diff = max(diff, (ga - gb).abs().max().item())
+        scale = max(scale, gb.abs().max().item())
+    return diff / max(scale, 1e-12)
+
+
+def shard_grad_diff(sharded: nn.Module, reference: nn.Module, rank: int) -> float:
+    """Like :func:`grad_diff` for a ZeRO-3 wrapper: each unit's shard gradient against this
+    rank's slice of ``reference``'s gradients laid out as the unit's flat buffer (the
+    layout's gaps and padding get zero gradients on both sides)."""
+    named = dict(reference.named_parameters())
+    diff, scale = 0.0, 0.0
+    for state in sharded.engine.units:  # type: ignore[union-attr]
+        layout = state.layout
+        full = layout.flatten({n: _grad_or_zeros(named[n]) for n in layout.param_names})
+        expected = layout.shard_of(full, rank).float()
+        grad = state.shard.grad
+        got = grad.detach().float() if grad is not None else torch.zeros_like(expected)
+        diff = max(diff, (got - expected).abs().max().item())
+        scale = max(scale, full.float().abs().max().item())
+    return diff / max(scale, 1e-12)
 
 
 @torch.fx.wrap

@@ -10,6 +10,8 @@ import pytest
 from lamina.runtime import ExecutionPlan
 from lamina.testing.cli import run_lamina
 
+pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MLP = str(EXAMPLES / "train_mlp.py")
 ENV = {"LAMINA_BACKEND": "cpu", "LAMINA_VERIFY_TIMEOUT": "20"}

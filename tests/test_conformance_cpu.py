@@ -5,3 +5,4 @@ from lamina.testing.conformance import BackendConformance
 
 class TestCpuConformance(BackendConformance):
     backends = ("cpu",)
+    expected_kernels = ("pack_bucket", "scale_accumulate")

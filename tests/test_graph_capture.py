@@ -14,6 +14,8 @@ from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, CaptureError, capture
 from models_for_tests import NeedsFx, NeedsHooks
 
+pytestmark = pytest.mark.portable
+
 METHODS = ("export", "fx", "hooks")
 
 

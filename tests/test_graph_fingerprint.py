@@ -15,6 +15,8 @@ from torch import nn
 from lamina.graph import CapturedGraph, canonical_description, capture, fingerprint_of
 from lamina.testing.harness import run_ranks
 
+pytestmark = pytest.mark.portable
+
 METHODS = ("export", "fx", "hooks")
 
 

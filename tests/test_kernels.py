@@ -27,6 +27,8 @@ from lamina.device.kernels import (
 )
 from lamina.errors import KernelError
 
+pytestmark = pytest.mark.portable
+
 DTYPES = [
     torch.float32,
     torch.float64,

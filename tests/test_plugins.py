@@ -15,6 +15,8 @@ from lamina.hookspecs import hookimpl
 from lamina.plugins import load_plugins
 from lamina.testing.cli import run_lamina
 
+pytestmark = pytest.mark.portable
+
 
 def _install_fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
     """A real installed distribution on ``site``: a module plus dist-info with entry points."""
@@ -134,6 +136,38 @@ def test_unavailable_backend_by_name_gives_its_reason() -> None:
     registry = load_plugins(extra=[("extra", ExtraBackends())])
     with pytest.raises(BackendUnavailableError, match="install the nodevice runtime"):
         registry.select_backend("nodevice")
+
+
+class SlowProbeBackend(CpuBackend):
+    """Stands for a vendor backend whose probe imports a runtime that takes seconds."""
+
+    name = "slowprobe"
+    priority = -1
+    probes = 0
+
+    def availability(self) -> Availability:
+        SlowProbeBackend.probes += 1
+        return Availability.no("probed")
+
+
+class SlowProbe:
+    @hookimpl
+    def lamina_register_backends(self) -> list[Backend]:
+        return [SlowProbeBackend()]
+
+
+def test_availability_is_probed_only_for_the_backends_asked_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    SlowProbeBackend.probes = 0
+    registry = load_plugins(extra=[("slow", SlowProbe())])
+    assert registry.select_backend("cpu").name == "cpu"
+    assert SlowProbeBackend.probes == 0  # chosen by name: the others are never probed
+    monkeypatch.delenv("LAMINA_BACKEND")
+    assert registry.select_backend().name == "cpu"  # by priority: every backend is probed
+    assert registry.select_backend().name == "cpu"
+    assert registry.backends["slowprobe"].availability.reason == "probed"
+    assert SlowProbeBackend.probes == 1  # once, then kept
 
 
 def test_cli_reports_unknown_backend_in_one_line() -> None:

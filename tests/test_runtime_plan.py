@@ -18,6 +18,8 @@ from lamina.runtime.build_dp import DPPlanInputs, bucket_node, build_dp_plan
 from lamina.runtime.build_zero3 import Zero3PlanInputs, build_zero3_plan
 from lamina.runtime.primitives import choose_primitive, disabled_from_env
 
+pytestmark = pytest.mark.portable
+
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)

@@ -16,6 +16,8 @@ from lamina.errors import ConfigError, MeshError
 from lamina.session import LaunchEnv
 from lamina.testing import RankFailure, run_ranks
 
+pytestmark = pytest.mark.portable
+
 
 def test_single_process_init_is_idempotent_and_shuts_down() -> None:
     runtime = lamina.init()

@@ -13,6 +13,8 @@ import torch
 from lamina.device.handle import Event, Stream
 from lamina.device.torch_streams import TorchEvent, TorchStream
 
+pytestmark = pytest.mark.portable
+
 
 class OtherEvent(TorchEvent):
     """A second backend's event class, to check that the two are not mixed."""

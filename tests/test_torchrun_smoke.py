@@ -10,6 +10,8 @@ import pytest
 
 from lamina.testing.cli import run_lamina
 
+pytestmark = pytest.mark.portable
+
 REPO = Path(__file__).resolve().parents[1]
 
 

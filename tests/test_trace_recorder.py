@@ -17,6 +17,8 @@ from lamina.testing import run_ranks
 from lamina.trace import TraceRecorder, read_dir, read_jsonl
 from lamina.trace.events import busbw_factor
 
+pytestmark = pytest.mark.portable
+
 
 def test_ring_keeps_the_newest_and_counts_dropped(tmp_path: Path) -> None:
     recorder = TraceRecorder(0, 2, tmp_path, capacity=3)
@@ -124,6 +126,7 @@ def _traced_job(strategy: str, steps: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_two_rank_trace_has_one_event_per_planned_collective(strategy: str, tmp_path: Path) -> None:

@@ -15,16 +15,16 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
+from lamina.cli.main import main as lamina_main
 from lamina.errors import ConfigError
 from lamina.testing import RankFailure, run_ranks
-from lamina.testing.cli import run_lamina
 from lamina.trace import recorder as rec
 from lamina.trace import user_collectives, watchdog
 from lamina.trace.diagnose import diagnose
 from lamina.trace.diagnose import main as diagnose_main
 from lamina.trace.events import CollectiveEvent, write_jsonl
 
-TIMEOUT_S = 3.0
+pytestmark = pytest.mark.portable
 
 
 # -- synthetic traces for diagnose ----------------------------------------------------------
@@ -169,7 +169,97 @@ def _pending_recorder(folder: Path, world: int = 1) -> rec.TraceRecorder:
     return recorder
 
 
-def _wait_fired(dog: watchdog.Watchdog, codes: list[int], limit: float = 5.0) -> None:
+class _CompletesLater:
+    """A work whose future the test completes."""
+
+    def __init__(self) -> None:
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.future
+
+
+def _backdate(recorder: rec.TraceRecorder, seconds: float) -> CollectiveEvent:
+    """Make the recorder's one pending collective ``seconds`` old."""
+    (event,) = recorder.pending()
+    event.issue_ns = time.time_ns() - int(seconds * 1e9)
+    return event
+
+
+def _dump_meta(folder: Path, rank: int = 0) -> dict[str, Any]:
+    meta: dict[str, Any] = json.loads(
+        (folder / f"rank{rank}.dump.jsonl").read_text().splitlines()[0]
+    )
+    return meta
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.99])
+def test_watchdog_is_quiet_while_the_oldest_collective_is_younger_than_the_timeout(
+    tmp_path: Path, fraction: float
+) -> None:
+    recorder = _pending_recorder(tmp_path)
+    _backdate(recorder, fraction * 60)
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dog = watchdog.Watchdog(recorder, 60, store, store_poll_s=0)
+    codes: list[int] = []
+    dog.exit = codes.append
+    assert dog.overdue() is None
+    assert dog.check() is False
+    assert codes == [] and dog.fired is None and not store.check([watchdog.ABORT_KEY])
+    assert not (tmp_path / "rank0.dump.jsonl").exists()
+
+
+@pytest.mark.parametrize("fraction", [1.01, 10.0])
+def test_watchdog_fires_on_the_oldest_collective_once_past_the_timeout(
+    tmp_path: Path, fraction: float
+) -> None:
+    recorder = _pending_recorder(tmp_path)
+    oldest = _backdate(recorder, fraction * 60)
+    with recorder.collective(
+        op="all_reduce", group=(0,), dtype="float32", numel=8, nbytes=32, node="young.all_reduce"
+    ) as handle:
+        handle.work = _NeverDone()  # pending too, but young
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dog = watchdog.Watchdog(recorder, 60, store, grace_s=0.1)
+    codes: list[int] = []
+    dog.exit = codes.append
+    assert dog.overdue() is oldest
+    assert dog.check() is True and codes == [71]
+    assert _dump_meta(tmp_path)["reason"] == "watchdog"
+    told = store.get(watchdog.ABORT_KEY).decode()
+    assert told == f"rank 0: collective {oldest.describe()} did not complete within 60 s"
+    assert "bucket3.all_reduce" in told
+
+
+def test_watchdog_thread_is_quiet_while_a_collective_pends_for_less_than_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """A collective pending for 60% of the timeout, polled every 20 ms, then completing."""
+    timeout = 1.5
+    recorder = rec.TraceRecorder(0, 1, tmp_path)
+    work = _CompletesLater()
+    with recorder.collective(
+        op="all_reduce", group=(0,), dtype="float32", numel=8, nbytes=32, node="slow.all_reduce"
+    ) as handle:
+        handle.work = work
+    dog = watchdog.Watchdog(recorder, timeout, dist.HashStore(), poll_s=0.02)  # type: ignore[attr-defined]
+    codes: list[int] = []
+    dog.exit = codes.append
+    dog.start()
+    try:
+        # 0.6 s before the timeout; a sleep overshoots by 0.2 ms at load average 4.5 on 2 cores
+        time.sleep(0.6 * timeout)
+        work.future.set_result(None)
+        time.sleep(0.1)
+    finally:
+        dog.stop()
+    (event,) = recorder.events()
+    assert event.end_ns is not None and event.end_ns - event.issue_ns >= 0.6 * timeout * 1e9
+    assert codes == [] and dog.fired is None
+    assert not (tmp_path / "rank0.dump.jsonl").exists()
+
+
+def _wait_fired(dog: watchdog.Watchdog, codes: list[int], limit: float = 10.0) -> None:
     dog.exit = codes.append
     dog.start()
     deadline = time.monotonic() + limit
@@ -182,12 +272,18 @@ def test_watchdog_fires_dumps_and_tells_peers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = dist.HashStore()  # type: ignore[attr-defined]
-    dog = watchdog.Watchdog(_pending_recorder(tmp_path), 0.2, store, poll_s=0.05, grace_s=0.1)
+    recorder = _pending_recorder(tmp_path)
+    (pending,) = recorder.pending()
+    dog = watchdog.Watchdog(recorder, 0.2, store, poll_s=0.05, grace_s=0.1)
     codes: list[int] = []
     _wait_fired(dog, codes)
     assert codes == [71]
-    dumped = json.loads((tmp_path / "rank0.dump.jsonl").read_text().splitlines()[0])
+    dumped = _dump_meta(tmp_path)
     assert dumped["reason"] == "watchdog"
+    # fired (and dumped) no earlier than the timeout after the issue, whatever the load;
+    # measured 0.201-0.202 s at load average 4.5 on 2 cores: the upper bound rules out a hang
+    fired_after = (dumped["written_ns"] - pending.issue_ns) / 1e9
+    assert 0.2 <= fired_after < 0.2 + 5.0, fired_after
     told = store.get(watchdog.ABORT_KEY).decode()
     assert told.startswith("rank 0: collective #1 bucket3.all_reduce (all_reduce float32 x 8")
     err = capsys.readouterr().err.strip()
@@ -244,7 +340,12 @@ def test_watchdog_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 
 
 # -- a real hang on two ranks ---------------------------------------------------------------
-def _hang_rank(folder: str) -> None:
+#: The watchdog's timeout in the real hang ($LAMINA_COLLECTIVE_TIMEOUT). A collective of
+#: this job completes in milliseconds, except the one rank 1 delays by half of it.
+HANG_TIMEOUT_S = 2.0
+
+
+def _hang_rank() -> None:
     runtime = lamina.init(backend="cpu")  # starts the recorder and the watchdog (env)
     assert rec.get_recorder() is not None and watchdog.active() is not None
     torch.manual_seed(0)
@@ -253,15 +354,20 @@ def _hang_rank(folder: str) -> None:
     )
     x = torch.randn(8, 32)
     model = lamina.distribute(
-        net, "dp", example_inputs=(x,), bucket_cap_mb=0.004, first_bucket_mb=0.001
+        net,
+        "dp",
+        example_inputs=(x,),
+        bucket_cap_mb=0.004,
+        first_bucket_mb=0.001,
+        capture_methods=("fx",),  # the same buckets as export's, without importing dynamo
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
-        if step == 2:
-            if runtime.rank == 1:
-                time.sleep(60)  # stops taking part: rank 0 blocks in a real all-reduce
-                return
-            Path(folder, "hang_started").write_text(repr(time.time()))
+        if runtime.rank == 1 and step == 1:
+            time.sleep(HANG_TIMEOUT_S / 2)  # rank 0 waits in real all-reduces: no alarm yet
+        if runtime.rank == 1 and step == 2:
+            time.sleep(60)  # stops taking part: rank 0 blocks in a real all-reduce
+            return
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -269,27 +375,42 @@ def _hang_rank(folder: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_hang_is_caught_dumped_and_diagnosed(tmp_path: Path) -> None:
-    env = {"LAMINA_TRACE": str(tmp_path), watchdog.COLLECTIVE_TIMEOUT_ENV: str(TIMEOUT_S)}
+def test_hang_is_caught_dumped_and_diagnosed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"LAMINA_TRACE": str(tmp_path), watchdog.COLLECTIVE_TIMEOUT_ENV: str(HANG_TIMEOUT_S)}
     with pytest.raises(RankFailure) as failure:
-        run_ranks(_hang_rank, 2, args=(str(tmp_path),), env=env, timeout=60)
-    waited = time.time() - float((tmp_path / "hang_started").read_text())
-    assert waited < TIMEOUT_S + 10, waited
+        run_ranks(_hang_rank, 2, env=env, timeout=60)
     assert "exit code 71" in failure.value.details
-    assert (tmp_path / "rank0.dump.jsonl").is_file() and (tmp_path / "rank1.dump.jsonl").is_file()
+    ring0 = [json.loads(line) for line in (tmp_path / "rank0.dump.jsonl").read_text().splitlines()]
+    meta0, meta1 = ring0[0], _dump_meta(tmp_path, 1)
+    assert (meta0["reason"], meta1["reason"]) == ("watchdog", "peer-watchdog")
+    assert meta1["written_ns"] > meta0["written_ns"]  # the peer dumps when rank 0 tells it
+
+    collectives = [e for e in ring0[1:] if e["type"] == "collective"]
+    waits = [(e["end_ns"] - e["issue_ns"]) / 1e9 for e in collectives if e["end_ns"] is not None]
+    hung = min((e for e in collectives if e["end_ns"] is None), key=lambda e: e["issue_ns"])
+    # the second step kept rank 0 waiting in real all-reduces for about half the timeout
+    # and the watchdog stayed quiet (measured 1.00-1.06 s at load average 4.5 on 2 cores)
+    assert HANG_TIMEOUT_S / 4 <= max(waits) < HANG_TIMEOUT_S, waits
+    # the hang: named no earlier than the timeout (load-proof), and without hanging itself
+    # (measured 2.03-2.48 s at load average 4.5 on 2 cores; the thread polls every 0.5 s)
+    fired_after = (meta0["written_ns"] - hung["issue_ns"]) / 1e9
+    assert HANG_TIMEOUT_S <= fired_after < HANG_TIMEOUT_S + 10, fired_after
 
     result = diagnose(tmp_path)
     stalls = [f for f in result.findings if f.kind == "not_entered"]
     assert not result.ok and len(stalls) == 1, result.lines()
     stall = stalls[0]
     assert (stall.entered_by, stall.missing, stall.op) == ([0], [1], "all_reduce")
-    assert re.fullmatch(r"bucket\d+\.all_reduce", stall.node), stall.node
+    assert stall.node == hung["node"] and re.fullmatch(r"bucket\d+\.all_reduce", stall.node)
     assert "never by rank(s) [1]; rank 1's last collective" in stall.message
 
-    shown = run_lamina("trace", "diagnose", str(tmp_path), timeout=60)
-    assert shown.returncode == 1, shown.stderr
-    assert "never by rank(s) [1]; rank 1's last collective" in shown.stdout
-    assert re.search(r"collective #\d+ bucket\d+\.all_reduce \(all_reduce float32", shown.stdout)
+    capsys.readouterr()
+    assert lamina_main(["trace", "diagnose", str(tmp_path)]) == 1  # `lamina trace diagnose`
+    shown = capsys.readouterr().out
+    assert "never by rank(s) [1]; rank 1's last collective" in shown
+    assert re.search(r"collective #\d+ bucket\d+\.all_reduce \(all_reduce float32", shown)
 
 
 # -- user collectives -------------------------------------------------------------------------

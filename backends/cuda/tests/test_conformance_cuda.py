@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from lamina.testing.conformance import BackendConformance
 
 
 class TestCudaConformance(BackendConformance):
     backends = ("cuda",)
+    # lamina_cuda.plugin registers its Triton kernels wherever triton is installed and a
+    # GPU is visible; without a GPU every check skips anyway. Each must run, not the reference.
+    expected_kernels = (
+        ("pack_bucket", "scale_accumulate") if importlib.util.find_spec("triton") else ()
+    )

@@ -52,7 +52,15 @@ class BackendEntry:
 
     backend: Backend
     plugin: str
-    availability: Availability
+    _availability: Availability | None = field(default=None, repr=False)
+
+    @property
+    def availability(self) -> Availability:
+        """Probed on first use, then kept: probing imports the vendor runtime (torch_xla
+        takes seconds), which a process that selects another backend by name never needs."""
+        if self._availability is None:
+            self._availability = _probe(self.backend)
+        return self._availability
 
 
 class PluginRegistry:
@@ -104,7 +112,7 @@ class PluginRegistry:
             del self.backends[name]
 
     def collect_backends(self) -> None:
-        """Ask every plugin for its backends and probe each one's availability."""
+        """Ask every plugin for its backends (each one's availability is probed when asked)."""
         for plugin_name, result in self.call_isolated("lamina_register_backends"):
             try:
                 for backend in _as_backends(result, plugin_name):
@@ -121,7 +129,7 @@ class PluginRegistry:
                 ValueError(f"backend name {backend.name!r} is already provided by {owner!r}"),
             )
             return
-        self.backends[backend.name] = BackendEntry(backend, plugin_name, _probe(backend))
+        self.backends[backend.name] = BackendEntry(backend, plugin_name)
         self.records[plugin_name].backends.append(backend.name)
 
     # -- queries -----------------------------------------------------------------------

@@ -5,3 +5,4 @@ from lamina.testing.conformance import BackendConformance
 
 class TestTemplateConformance(BackendConformance):
     backends = ("template",)
+    expected_kernels = ("scale_accumulate",)  # what lamina_template.plugin registers

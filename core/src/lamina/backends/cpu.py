@@ -28,6 +28,7 @@ from lamina.device.handle import (
 from lamina.device.kernels import KernelRegistry
 from lamina.device.sysfs import discover_cpu_host
 from lamina.device.topology import HostTopology
+from lamina.errors import NotSupportedError
 from lamina.hookspecs import hookimpl
 
 _CPU = torch.device("cpu")
@@ -133,12 +134,16 @@ class CpuHandle(DeviceHandle):
         return MemoryStats(rss, rss, peak_kib * 1024, "process")
 
     def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        """Reset the kernel's resident-set high-water mark (Linux ``clear_refs`` value 5)."""
+        """Reset the kernel's resident-set high-water mark (Linux ``clear_refs`` value 5).
+
+        Where the system has no such control (not Linux, or ``/proc`` read-only) the
+        capability does not exist: :class:`NotSupportedError`, as the contract asks.
+        """
         try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
                 clear.write("5")
         except OSError as exc:
-            raise RuntimeError(
+            raise NotSupportedError(
                 f"cannot reset peak RSS on this system ({exc}); compare against a baseline"
             ) from exc
 

@@ -81,14 +81,6 @@ class BucketPlan:
     alignment_bytes: int
     notes: tuple[str, ...] = field(default=())
 
-    def bucket_of(self, name: str) -> tuple[Bucket, BucketSlot]:
-        """The bucket and slot of parameter ``name``."""
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                if slot.name == name:
-                    return bucket, slot
-        raise KeyError(f"parameter {name!r} is in no bucket (excluded: {list(self.excluded)})")
-
     @property
     def total_bytes(self) -> int:
         """Bytes moved by one step's collectives (padded buffers)."""

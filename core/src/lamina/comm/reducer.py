@@ -75,6 +75,15 @@ class ReducerStats:
     codec_fallbacks: int = 0
 
 
+def stray_dtype(params: list[nn.Parameter] | list[torch.dtype]) -> torch.dtype:
+    """The one dtype the excluded parameters' gradients travel in (their promoted type)."""
+    dtypes = [p if isinstance(p, torch.dtype) else p.dtype for p in params]
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 class GradientReducer:
     """Averages the gradients of ``named_params`` across ``group`` according to ``plan``.
 
@@ -235,13 +244,40 @@ class GradientReducer:
             self._land_in_bucket(state, k)
 
     def _reduce_strays(self) -> None:
-        """Parameters the plan excluded as unused that got a gradient anyway: still averaged."""
-        for param in self._stray:
-            if param.grad is not None and self.world_size > 1:
-                param.grad.div_(self.world_size)
-                with self._traced(self._excluded_node, param.grad):
-                    dist.all_reduce(param.grad, group=self.group)
+        """Parameters the plan excluded as unused that got a gradient anyway: averaged.
+
+        One all-reduce per step on every rank, whether or not this rank has a gradient
+        (a rank cannot know whether another one has: a data-dependent branch may use a
+        parameter on some ranks only, and a collective issued on some ranks only would
+        hang or pair with the wrong one). The buffer holds each parameter's gradient
+        (zeros where this rank has none) and one used-flag per parameter; a parameter no
+        rank used keeps ``grad=None``, as under DDP.
+        """
+        if not self._stray or self.world_size == 1:
+            return
+        dtype = stray_dtype(self._stray)
+        flags = torch.tensor([float(p.grad is not None) for p in self._stray], dtype=dtype).to(
+            self._stray[0].device
+        )
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype)
+            for p in self._stray
+        ]
+        buffer = torch.cat([*grads, flags]).div_(self.world_size)
+        with self._traced(self._excluded_node, buffer):
+            dist.all_reduce(buffer, group=self.group)
+        used = buffer[-len(self._stray) :].tolist()
+        offset = 0
+        for param, flag in zip(self._stray, used, strict=True):
+            n = param.numel()
+            if flag > 0:
+                mean = buffer[offset : offset + n].view_as(param).to(param.dtype)
+                if param.grad is None:
+                    param.grad = mean.clone()
+                else:
+                    param.grad.copy_(mean)
                 self.stats.stray_params += 1
+            offset += n
 
     # -- user-facing controls ------------------------------------------------------------
     @contextmanager
@@ -252,10 +288,6 @@ class GradientReducer:
             yield
         finally:
             self.sync_enabled = previous
-
-    def bucket_views(self) -> list[list[torch.Tensor]]:
-        """The gradient views of each bucket (for tests and inspection)."""
-        return [list(s.views) for s in self._buckets]
 
     def remove(self) -> None:
         """Detach the hooks."""

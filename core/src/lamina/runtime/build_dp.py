@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from lamina.comm.buckets import BucketPlan
 from lamina.comm.codecs import Codec
+from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
 from lamina.runtime.broadcasts import broadcast_nodes
@@ -178,14 +179,19 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
 
 
 def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
-    numel = sum(math.prod(inputs.graph.param_shapes[n]) for n in inputs.buckets.excluded)
-    dtype = inputs.graph.param_dtypes[inputs.buckets.excluded[0]].removeprefix("torch.")
+    excluded = inputs.buckets.excluded
+    numel = sum(math.prod(inputs.graph.param_shapes[n]) for n in excluded) + len(excluded)
+    dtype = dtype_name(
+        stray_dtype(
+            [dtype_from_name(inputs.graph.param_dtypes[n].removeprefix("torch.")) for n in excluded]
+        )
+    )
     return PlanNode(
         EXCLUDED,
         "collective",
         "backward",
-        f"all-reduce of {len(inputs.buckets.excluded)} parameter(s) unused in the captured "
-        "forward, only if they get a gradient",
+        f"all-reduce of the gradients of {len(excluded)} parameter(s) unused in the captured "
+        "forward, with one used-flag each (every step: any rank may have used them)",
         CollectiveSpec("all_reduce", dtype, numel, dtype_from_name(dtype).itemsize, inputs.group),
-        attrs(conditional="true", params=len(inputs.buckets.excluded)),
+        attrs(params=len(excluded)),
     )

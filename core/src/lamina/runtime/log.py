@@ -135,11 +135,7 @@ class RunLog:
     def summary(self) -> str:
         """One line about the step in progress (or, before it issues anything, the last)."""
         record = self.current if self.current.issued or self.last is None else self.last
-        planned = [
-            n.id
-            for n in self.plan.collectives()
-            if n.attr("conditional") != "true" and n.phase != "setup"
-        ]
+        planned = [n.id for n in self.plan.collectives() if n.phase != "setup"]
         done = sum(1 for n in planned if record.issued.get(n))
         parts = [
             f"step {record.step}: {done}/{len(planned)} planned collectives, "

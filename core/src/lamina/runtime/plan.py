@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from lamina.errors import ConfigError
@@ -142,10 +142,6 @@ class ExecutionPlan:
         """Collective nodes in the order one step issues them."""
         return [n for n in self.nodes if n.collective is not None]
 
-    def collective_bytes(self) -> int:
-        """Bytes one step moves through collectives (buffer sizes, after codecs)."""
-        return sum(n.collective.nbytes for n in self.collectives() if n.collective)
-
     def fallbacks_of(self, node_id: str) -> list[Fallback]:
         """Fallbacks declared on ``node_id``."""
         return [f for f in self.fallbacks if f.node == node_id]
@@ -175,19 +171,6 @@ class ExecutionPlan:
             stuck = sorted(set(incoming) - set(order))
             raise ConfigError(f"execution plan has a cycle through {stuck[:4]}")
         return order
-
-    def with_fallback(self, node_id: str, alternative: str, reason: str) -> ExecutionPlan:
-        """A copy with the declared fallback ``alternative`` of ``node_id`` marked taken."""
-        found = False
-        updated = []
-        for fb in self.fallbacks:
-            if fb.node == node_id and fb.alternative == alternative:
-                fb = replace(fb, taken=True, reason=reason)
-                found = True
-            updated.append(fb)
-        if not found:
-            raise ConfigError(f"node {node_id!r} declares no fallback to {alternative!r}")
-        return replace(self, fallbacks=tuple(updated), _index={})
 
     # -- verification items --------------------------------------------------------------
     def collective_sequence(self) -> list[str]:

@@ -47,7 +47,6 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
         spec = node.collective
         assert spec is not None
         dtype = spec.dtype + (f"->{spec.wire_dtype}" if spec.wire_dtype else "")
-        suffix = " (if any gradient)" if node.attr("conditional") == "true" else ""
         seq_rows.append(
             (
                 str(k),
@@ -56,7 +55,7 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
                 dtype,
                 str(spec.numel),
                 format_bytes(spec.nbytes),
-                f"{list(spec.group)}{suffix}",
+                f"{list(spec.group)}",
             )
         )
     lines += _table(seq_rows) if collectives else ["  (none: one rank)"]

@@ -42,7 +42,11 @@ def distribute(
     from lamina.strategies.dp import DataParallel
 
     if runtime.world_size != runtime.mesh.size():
-        raise ConfigError(f"mesh {runtime.mesh} does not cover the {runtime.world_size} ranks")
+        raise ConfigError(
+            f"mesh {runtime.mesh} holds {runtime.mesh.size()} rank(s) but the job has "
+            f"{runtime.world_size}; call lamina.init() with mesh='flat' or a mesh shape whose "
+            "product is the world size"
+        )
     return DataParallel(
         model,
         handle=runtime.handle,

@@ -209,7 +209,10 @@ class DataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally; the next one outside synchronizes."""
         if self.reducer is None:
-            raise ConfigError("no_sync() before the first forward: nothing is planned yet")
+            raise ConfigError(
+                "no_sync() before the first forward: nothing is planned yet; run one forward "
+                "first or pass example_inputs to lamina.distribute()"
+            )
         with self.reducer.no_sync():
             yield
 

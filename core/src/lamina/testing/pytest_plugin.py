@@ -14,6 +14,7 @@ import pytest
 if TYPE_CHECKING:
     from lamina.device.backend import Backend
     from lamina.device.handle import DeviceHandle
+    from lamina.testing.conformance import CollectiveRun
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,10 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize ``lamina_backend_name`` over the requested or installed backends."""
-    if "lamina_backend_name" not in metafunc.fixturenames:
-        return
+def _backend_names(metafunc: pytest.Metafunc) -> list[str]:
     from lamina.plugins import get_registry
 
     requested: list[str] = metafunc.config.getoption("lamina_backend")
@@ -39,18 +37,47 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     names = requested or restricted or sorted(get_registry().backends)
     if restricted and requested:
         names = [n for n in requested if n in restricted]
-    metafunc.parametrize("lamina_backend_name", names, ids=names)
+    return list(names)
 
 
-@pytest.fixture
-def lamina_backend(lamina_backend_name: str) -> Backend:
-    """The installed backend under test; skips with the backend's reason when unavailable."""
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``lamina_backend_name`` over the requested or installed backends.
+
+    The parameter is class-scoped, so a class-scoped fixture (``lamina_collectives``) runs
+    once per backend and class. A test that also takes ``lamina_kernel_name`` runs once
+    per backend and kernel sample set (the class's ``kernel_samples``), with an id
+    ``<backend>-<kernel>@<implementation>`` naming the implementation a launch runs.
+    """
+    if "lamina_backend_name" not in metafunc.fixturenames:
+        return
+    names = _backend_names(metafunc)
+    if "lamina_kernel_name" not in metafunc.fixturenames:
+        metafunc.parametrize("lamina_backend_name", names, ids=names, scope="class")
+        return
+    from lamina.plugins import get_registry
+    from lamina.testing.conformance import KERNEL_SAMPLES
+
+    registry = get_registry().kernels
+    kernels = sorted(getattr(metafunc.cls, "kernel_samples", None) or KERNEL_SAMPLES)
+    defined = set(registry.names())
+    pairs = [(backend, kernel) for backend in names for kernel in kernels]
+    ids = [
+        f"{b}-{k}@{registry.implementation(k, b)[1] if k in defined else 'undefined'}"
+        for b, k in pairs
+    ]
+    metafunc.parametrize(
+        ("lamina_backend_name", "lamina_kernel_name"), pairs, ids=ids, scope="class"
+    )
+
+
+def available_backend(name: str) -> Backend:
+    """The installed backend ``name``; skips the test, with the reason, when it cannot run."""
     from lamina.errors import BackendNotFoundError
     from lamina.plugins import get_registry
 
     registry = get_registry()
     try:
-        backend = registry.backend(lamina_backend_name)
+        backend = registry.backend(name)
     except BackendNotFoundError as exc:
         pytest.skip(str(exc))
     availability = registry.backends[backend.name].availability
@@ -60,9 +87,23 @@ def lamina_backend(lamina_backend_name: str) -> Backend:
 
 
 @pytest.fixture
+def lamina_backend(lamina_backend_name: str) -> Backend:
+    """The installed backend under test; skips with the backend's reason when unavailable."""
+    return available_backend(lamina_backend_name)
+
+
+@pytest.fixture
 def lamina_handle(lamina_backend: Backend) -> DeviceHandle:
     """The DeviceHandle of the backend under test."""
     return lamina_backend.handle()
+
+
+@pytest.fixture(scope="class")
+def lamina_collectives(lamina_backend_name: str) -> CollectiveRun:
+    """One 2-rank job running every collective the kit checks, shared by a class's tests."""
+    from lamina.testing.conformance import run_collectives
+
+    return run_collectives(available_backend(lamina_backend_name))
 
 
 #: Variables a launcher or user may set that change what ``lamina.init()`` does.

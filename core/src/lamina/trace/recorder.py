@@ -153,10 +153,6 @@ class TraceRecorder:
             self._spans.append(span)
         return span
 
-    def next_step(self) -> None:
-        """Events from now on belong to the next step."""
-        self.step += 1
-
     # -- reading ------------------------------------------------------------------------
     def events(self) -> list[CollectiveEvent]:
         """The collectives in the ring, oldest first."""

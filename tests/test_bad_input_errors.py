@@ -1,0 +1,240 @@
+"""Bad input to the API gets a one-line error that names the thing and the fix.
+
+Each test triggers one error in one process (``lamina.init()`` without torchrun variables
+is a world of one) and checks its text. Errors tested elsewhere are not repeated here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lamina
+from lamina import session
+from lamina.errors import ConfigError
+from lamina.memory.state import LAYOUT_KEY
+from lamina.runtime import ExecutionPlan
+from lamina.runtime.compiled import compile_backend_of
+from lamina.runtime.primitives import choose_primitive
+from lamina.strategies.dp import DataParallel
+from lamina.strategies.preflight import PLAN_OUT_ENV, write_plan
+from lamina.trace import recorder as rec
+from lamina.trace import watchdog
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text, text
+    return text
+
+
+# -- strategies/__init__.py -------------------------------------------------------------------
+def test_distribute_names_a_mesh_that_does_not_cover_the_job() -> None:
+    """Only a runtime whose mesh and world size disagree reaches it (init builds them to
+    agree), so the runtime is swapped for such a copy."""
+    runtime = lamina.init()
+    session._RUNTIME = dataclasses.replace(runtime, world_size=2)
+    try:
+        with pytest.raises(ConfigError) as excinfo:
+            lamina.distribute(_net(), "dp")
+    finally:
+        session._RUNTIME = runtime
+    message = _message(excinfo)
+    assert message.startswith("mesh DeviceMesh(cpu: dp=1) holds 1 rank(s) but the job has 2;")
+    assert "call lamina.init() with mesh='flat'" in message
+
+
+# -- strategies/dp.py -------------------------------------------------------------------------
+def test_data_parallel_without_init_says_to_call_init() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError) as excinfo:
+        DataParallel(_net())
+    assert _message(excinfo) == (
+        "DataParallel needs torch.distributed; call lamina.init() before distribute()"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [({"bucket_cap_mb": 0}, "got 0 and 1.0"), ({"first_bucket_mb": -2.0}, "got None and -2.0")],
+)
+def test_bucket_sizes_must_be_positive(options: dict[str, Any], shown: str) -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), "dp", **options)
+    assert _message(excinfo) == f"bucket_cap_mb and first_bucket_mb must be > 0, {shown}"
+
+
+def test_no_sync_before_the_first_forward_says_what_to_do() -> None:
+    lamina.init()
+    model: Any = lamina.distribute(_net(), "dp")  # no example inputs: nothing planned yet
+    with pytest.raises(ConfigError) as excinfo, model.no_sync():
+        pass
+    message = _message(excinfo)
+    assert message.startswith("no_sync() before the first forward: nothing is planned yet")
+    assert "run one forward first or pass example_inputs to lamina.distribute()" in message
+
+
+# -- runtime/compiled.py ----------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["", 3])
+def test_compile_option_must_be_a_bool_or_a_backend_name(option: Any) -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), "dp", compile=option)
+    assert _message(excinfo) == (
+        f"compile={option!r}: pass False, True or a torch.compile backend name"
+    )
+    assert compile_backend_of(True) == "inductor" and compile_backend_of("eager") == "eager"
+
+
+# -- memory/state.py (ZeRO-3 state dicts) -----------------------------------------------------
+def _zero3() -> Any:
+    lamina.init()
+    return lamina.distribute(_net(), "zero3", min_unit_numel=1)
+
+
+def test_full_state_dict_without_a_parameter_names_it() -> None:
+    model = _zero3()
+    full = model.full_state_dict(rank0_only=False)
+    del full["2.weight"]
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_full_state_dict(full)
+    assert _message(excinfo) == (
+        "full state dict has no entry for parameter '2.weight'; pass a state dict of the same model"
+    )
+
+
+def test_full_state_dict_with_an_unknown_entry_names_it() -> None:
+    model = _zero3()
+    full = model.full_state_dict(rank0_only=False)
+    full["head.bias"] = torch.zeros(2)
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_full_state_dict(full)
+    assert _message(excinfo) == (
+        "full state dict does not match the model: missing [], unexpected ['head.bias']; "
+        "save and load the same model"
+    )
+
+
+def test_sharded_state_dict_without_its_layout_says_how_to_save_it() -> None:
+    model = _zero3()
+    sharded = model.sharded_state_dict()
+    del sharded[LAYOUT_KEY]
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_sharded_state_dict(sharded)
+    assert _message(excinfo) == (
+        "sharded state dict has no 'layout' entry; save it with sharded_state_dict()"
+    )
+
+
+def test_sharded_state_dict_without_a_unit_names_it() -> None:
+    model = _zero3()
+    sharded = model.sharded_state_dict()
+    unit = next(k for k in sharded if k.startswith("units."))
+    del sharded[unit]
+    with pytest.raises(ConfigError) as excinfo:
+        model.load_sharded_state_dict(sharded)
+    assert _message(excinfo) == f"sharded state dict has no {unit!r}; save the same model"
+
+
+def test_sharded_state_dict_after_shutdown_says_to_init() -> None:
+    model = _zero3()
+    lamina.shutdown()
+    with pytest.raises(ConfigError) as excinfo:
+        model.sharded_state_dict()
+    assert _message(excinfo) == (
+        "sharded state dicts need torch.distributed; call lamina.init() first"
+    )
+
+
+# -- session.py -------------------------------------------------------------------------------
+def test_init_names_an_existing_group_of_another_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.init()
+    assert _message(excinfo) == (
+        "an existing process group has world size 1 but WORLD_SIZE=2; "
+        "destroy it or fix the environment"
+    )
+    assert dist.is_initialized()  # the caller's group is left alone
+
+
+def test_init_names_a_runtime_that_placed_the_rank_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A runtime that assigns ranks itself (``init_method``) put this process at rank 0 of
+    1 while the launcher said rank 1 of 2."""
+    real = dist.init_process_group
+
+    def placed_alone(backend: str, **_: Any) -> None:
+        real(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(dist, "init_process_group", placed_alone)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.init()
+    assert _message(excinfo) == (
+        "the cpu runtime placed this process at rank 0 of 1 but RANK=1, WORLD_SIZE=2; launch "
+        "so that they agree (torchrun --node-rank must follow the runtime's host order)"
+    )
+    assert not dist.is_initialized()  # the group it made is destroyed again
+
+
+def test_init_names_a_mesh_it_does_not_understand() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.init(mesh="ring")  # type: ignore[arg-type]
+    assert _message(excinfo) == (
+        "mesh='ring' is not understood; use 'flat', 'topology' or (shape, axis_names)"
+    )
+    assert not dist.is_initialized() and lamina.current() is None
+
+
+# -- runtime/primitives.py --------------------------------------------------------------------
+def test_a_collective_without_an_alternative_is_named() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        choose_primitive("broadcast", "gloo")
+    assert _message(excinfo) == (
+        "collective 'broadcast' has no declared alternative; "
+        "use one of ('reduce_scatter', 'all_gather')"
+    )
+
+
+# -- strategies/preflight.py ------------------------------------------------------------------
+def test_a_plan_folder_that_cannot_be_created_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    folder = str(blocker / "plans")
+    plan = ExecutionPlan(strategy="dp", world_size=1, backend="cpu", nodes=(), edges=())
+    with pytest.raises(ConfigError) as excinfo:
+        write_plan(plan, folder, 0)
+    message = _message(excinfo)
+    assert message.startswith(f"{PLAN_OUT_ENV}={folder!r} cannot be created (")
+    assert message.endswith("); pick a writable folder")
+
+
+# -- trace/watchdog.py ------------------------------------------------------------------------
+@pytest.mark.parametrize("timeout", [0, -1.5, math.inf, math.nan])
+def test_watchdog_timeout_must_be_positive_and_finite(timeout: float) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        watchdog.Watchdog(rec.TraceRecorder(0, 1), timeout)
+    assert _message(excinfo) == (
+        f"watchdog timeout must be a positive number of seconds, got {timeout}"
+    )
