@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lamina.device.backend import Availability, Backend
-from lamina.device.handle import DeviceHandle
+from lamina.device.handle import DeviceHandle, Stream
 from lamina.device.kernels import REFERENCE, KernelLauncher
 from lamina.device.topology import merge_host_topologies
 from lamina.device.topology_file import load_topology, save_topology
@@ -169,9 +169,7 @@ class BackendConformance:
     def test_new_stream_is_distinct(self, lamina_handle: DeviceHandle) -> None:
         """``new_stream`` gives a stream other than the current one, and work runs on it."""
         handle = lamina_handle
-        device = handle.device_for_local_rank(0)
-        side = capability(handle, lambda: handle.new_stream(device))
-        main = handle.current_stream(device)
+        device, side, main = _two_streams(handle)
         assert side != main, "new_stream() returned the current stream"
         assert handle.current_stream(device) == main, "current_stream() is not stable"
         with handle.use_stream(side):
@@ -183,9 +181,7 @@ class BackendConformance:
     def test_wait_stream_orders_work(self, lamina_handle: DeviceHandle) -> None:
         """A read queued after ``wait_stream`` sees a long write on the other stream."""
         handle = lamina_handle
-        device = handle.device_for_local_rank(0)
-        side = capability(handle, lambda: handle.new_stream(device))
-        main = handle.current_stream(device)
+        device, side, main = _two_streams(handle)
         work = calibrated_work(handle, device)
         assert_ordered(
             handle, device, work, side, main, lambda: main.wait_stream(side), "main.wait_stream"
@@ -197,9 +193,7 @@ class BackendConformance:
     def test_wait_event_orders_work(self, lamina_handle: DeviceHandle) -> None:
         """A read queued after ``Stream.wait_event`` / ``Event.wait`` sees the long write."""
         handle = lamina_handle
-        device = handle.device_for_local_rank(0)
-        side = capability(handle, lambda: handle.new_stream(device))
-        main = handle.current_stream(device)
+        device, side, main = _two_streams(handle)
         work = calibrated_work(handle, device)
         assert_ordered(
             handle,
@@ -223,8 +217,7 @@ class BackendConformance:
     def test_synchronize_waits_for_queued_work(self, lamina_handle: DeviceHandle) -> None:
         """Stream, event and device ``synchronize`` return only after a long write landed."""
         handle = lamina_handle
-        device = handle.device_for_local_rank(0)
-        side = capability(handle, lambda: handle.new_stream(device))
+        device, side, _ = _two_streams(handle)
         work = calibrated_work(handle, device)
         for what, sync in (
             ("Stream.synchronize", side.synchronize),
@@ -335,3 +328,11 @@ class BackendConformance:
     @pytest.mark.timeout(180)
     def test_collective_reduce_scatter(self, lamina_collectives: CollectiveRun) -> None:
         check_collective(lamina_collectives, "reduce_scatter")
+
+
+def _two_streams(handle: DeviceHandle) -> tuple[torch.device, Stream, Stream]:
+    """Local rank 0's device, a new stream on it (skips where the device has none) and
+    its current stream."""
+    device = handle.device_for_local_rank(0)
+    side = capability(handle, lambda: handle.new_stream(device))
+    return device, side, handle.current_stream(device)
