@@ -32,7 +32,12 @@ from lamina.errors import ConfigError
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; the defaults train in about a minute on two CPU cores."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--strategy", choices=("dp", "zero3"), default="dp")
+    p.add_argument(
+        "--strategy",
+        choices=("dp", "zero3", "hsdp"),
+        default="dp",
+        help="hsdp shards inside each fast domain of the topology (LAMINA_TOPOLOGY declares one)",
+    )
     p.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128, help="characters per sequence")
@@ -102,7 +107,8 @@ def evaluate(
 def main(argv: Sequence[str] | None = None) -> int:
     """Train; returns the process exit status."""
     args = parse_args(argv)
-    with lamina.init() as rt:
+    # HSDP places itself on the topology's inter x intra mesh; the others on the flat one
+    with lamina.init(mesh="topology" if args.strategy == "hsdp" else "flat") as rt:
         started = time.perf_counter()
         torch.manual_seed(args.seed)  # the same initial model on every rank
         corpus = load_char_corpus(args.corpus_mb)
@@ -112,8 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         net = GPT(cfg).to(rt.device)
         n_params = net.num_parameters()
         example = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=rt.device)
+        # dp plans its buckets from the captured graph (here at once, from an example)
+        options = {"example_inputs": (example,)} if args.strategy == "dp" else {}
         try:
-            model = lamina.distribute(net, strategy=args.strategy, example_inputs=(example,))
+            model = lamina.distribute(net, strategy=args.strategy, **options)
         except ConfigError as exc:
             if rt.is_main:
                 print(f"train_gpt.py: error: --strategy {args.strategy}: {exc}", file=sys.stderr)

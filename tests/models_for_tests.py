@@ -61,6 +61,19 @@ class WithBatchNorm(nn.Module):
         return out
 
 
+class OddSized(nn.Module):
+    """Sizes that never divide evenly (35 + 5 + 15 + 3 elements): every shard is padded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(torch.tanh(self.a(x)))
+        return out
+
+
 def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic (input, target) for model ``name`` at ``step`` on ``rank``."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -68,6 +81,8 @@ def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor,
         vocab = 64 if name == "gpt" else 20
         idx = torch.randint(0, vocab, (size, 16 if name == "gpt" else 6), generator=gen)
         return idx, torch.roll(idx, -1, dims=1)
+    if name == "odd":
+        return torch.randn(size, 7, generator=gen), torch.randn(size, 3, generator=gen)
     width = {"mlp": 32, "unused": 16, "batchnorm": 8}[name]
     return torch.randn(size, width, generator=gen), torch.randn(size, width, generator=gen)
 
@@ -86,6 +101,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "tied": Tied,
         "unused": WithUnused,
         "batchnorm": WithBatchNorm,
+        "odd": OddSized,
     }[name]()
 
 

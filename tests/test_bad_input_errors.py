@@ -18,13 +18,14 @@ from torch import nn
 
 import lamina
 from lamina import session
+from lamina.cli.rank_runner import write_plan
 from lamina.errors import ConfigError
-from lamina.memory.state import LAYOUT_KEY
 from lamina.runtime import ExecutionPlan
-from lamina.runtime.compiled import compile_backend_of
 from lamina.runtime.primitives import choose_primitive
+from lamina.strategies import Placement
 from lamina.strategies.dp import DataParallel
-from lamina.strategies.preflight import PLAN_OUT_ENV, write_plan
+from lamina.strategies.dp.compiled import compile_backend_of
+from lamina.strategies.zero3.state import LAYOUT_KEY
 from lamina.trace import recorder as rec
 from lamina.trace import watchdog
 
@@ -40,7 +41,84 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     return text
 
 
-# -- strategies/__init__.py -------------------------------------------------------------------
+# -- api.py, strategies/contract.py, strategies/registry.py ------------------------------------
+@pytest.mark.parametrize("strategy", ["dp", "zero3", "hsdp"])
+def test_an_option_the_strategy_does_not_take_is_named_with_the_valid_ones(strategy: str) -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), strategy, bucket_cap_mbb=5)
+    message = _message(excinfo)
+    assert message.startswith(f"strategy {strategy!r} has no option 'bucket_cap_mbb'; ")
+    assert "its options are verify, " in message
+
+
+def test_zero3_refuses_the_bucket_options_of_dp() -> None:
+    lamina.init()
+    with pytest.raises(ConfigError, match="strategy 'zero3' has no option 'bucket_cap_mb'"):
+        lamina.distribute(_net(), "zero3", bucket_cap_mb=5, example_inputs=(torch.ones(1, 8),))
+
+
+def test_an_unknown_strategy_lists_the_known_ones() -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), "fsdp")
+    assert _message(excinfo).startswith(
+        "unknown strategy 'fsdp'; choose one of dp, zero3, hsdp (plugins add more"
+    )
+
+
+def test_hsdp_on_a_flat_mesh_says_how_to_build_one() -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), "hsdp")
+    message = _message(excinfo)
+    assert message.startswith("strategy 'hsdp' needs mesh axes ['inter', 'intra'] but the mesh ")
+    assert "lamina.init(mesh='topology')" in message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "placement", "shown"),
+    [
+        ("dp", Placement(replicate=("dp", "tp")), "unknown axis 'tp'"),
+        ("zero3", Placement(), "axis 'dp' unplaced"),
+        ("dp", Placement(shard=("dp",)), "strategy 'dp' does not shard"),
+        ("zero3", Placement(replicate=("dp",)), "strategy 'zero3' shards over no mesh axis"),
+    ],
+)
+def test_a_placement_that_does_not_fit_is_named(
+    strategy: str, placement: Placement, shown: str
+) -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), strategy, placement=placement)
+    assert shown in _message(excinfo)
+
+
+def test_a_placement_naming_an_axis_twice_is_refused() -> None:
+    with pytest.raises(ConfigError, match="names axis 'dp' both to shard and to replicate"):
+        Placement(shard=("dp",), replicate=("dp",))
+    with pytest.raises(ConfigError, match=r"Placement\.shard must be a tuple of mesh axis names"):
+        Placement(shard="dp")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ({"collectives": "fastest"}, "collectives='fastest' is not one of"),
+        ({"param_dtype": torch.int8}, "param_dtype must be a floating torch dtype"),
+        ({"disable_collectives": "all_gather"}, "disable_collectives='all_gather': give a tuple"),
+        ({"min_unit_numel": -1}, "min_unit_numel must be an int >= 0"),
+    ],
+)
+def test_zero3_options_are_checked_before_anything_runs(
+    options: dict[str, Any], shown: str
+) -> None:
+    lamina.init()
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(_net(), "zero3", **options)
+    assert _message(excinfo).startswith(shown)
+
+
 def test_distribute_names_a_mesh_that_does_not_cover_the_job() -> None:
     """Only a runtime whose mesh and world size disagree reaches it (init builds them to
     agree), so the runtime is swapped for such a copy."""
@@ -58,9 +136,11 @@ def test_distribute_names_a_mesh_that_does_not_cover_the_job() -> None:
 
 # -- strategies/dp.py -------------------------------------------------------------------------
 def test_data_parallel_without_init_says_to_call_init() -> None:
+    runtime = lamina.init()
+    lamina.shutdown()  # a runtime kept past shutdown: its process group is gone
     assert not dist.is_initialized()
     with pytest.raises(ConfigError) as excinfo:
-        DataParallel(_net())
+        DataParallel(_net(), runtime)
     assert _message(excinfo) == (
         "DataParallel needs torch.distributed; call lamina.init() before distribute()"
     )
@@ -87,7 +167,7 @@ def test_no_sync_before_the_first_forward_says_what_to_do() -> None:
     assert "run one forward first or pass example_inputs to lamina.distribute()" in message
 
 
-# -- runtime/compiled.py ----------------------------------------------------------------------
+# -- strategies/dp/compiled.py --------------------------------------------------------------------
 @pytest.mark.parametrize("option", ["", 3])
 def test_compile_option_must_be_a_bool_or_a_backend_name(option: Any) -> None:
     lamina.init()
@@ -217,7 +297,7 @@ def test_a_collective_without_an_alternative_is_named() -> None:
     )
 
 
-# -- strategies/preflight.py ------------------------------------------------------------------
+# -- cli/rank_runner.py -----------------------------------------------------------------------
 def test_a_plan_folder_that_cannot_be_created_is_named(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -226,7 +306,7 @@ def test_a_plan_folder_that_cannot_be_created_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         write_plan(plan, folder, 0)
     message = _message(excinfo)
-    assert message.startswith(f"{PLAN_OUT_ENV}={folder!r} cannot be created (")
+    assert message.startswith(f"plan output folder {folder!r} cannot be created (")
     assert message.endswith("); pick a writable folder")
 
 

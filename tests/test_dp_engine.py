@@ -272,5 +272,5 @@ def test_single_process_plan_from_example_inputs_prints_a_table() -> None:
 
 def test_unknown_strategy_is_a_clear_error() -> None:
     lamina.init()
-    with pytest.raises(ConfigError, match="unknown strategy 'ddp'; choose one of dp, zero3"):
+    with pytest.raises(ConfigError, match="unknown strategy 'ddp'; choose one of dp, zero3, hsdp"):
         lamina.distribute(build("mlp"), "ddp")

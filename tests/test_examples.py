@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +17,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TINY_CORPUS = ("--corpus-mb", "0.1", "--d-model", "32", "--n-layers", "1")
 
 
-def torchrun(script: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    script: str, *args: str, ranks: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``python -m torch.distributed.run --standalone`` on ``examples/<script>``."""
     return subprocess.run(
         [
@@ -32,6 +36,7 @@ def torchrun(script: str, *args: str, ranks: int = 2) -> subprocess.CompletedPro
         text=True,
         timeout=100,
         check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -79,3 +84,42 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
     assert done, result.stdout
     first, last = map(float, done.groups())
     assert last < first - 1.0, result.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_train_gpt_with_hsdp_on_two_hosts_of_two_loss_falls(tmp_path: Path) -> None:
+    topology = {
+        "version": 1,
+        "devices": [
+            {
+                "rank": r,
+                "local_rank": r % 2,
+                "host": f"node-{r // 2}",
+                "device_type": "cpu",
+                "device_index": 0,
+            }
+            for r in range(4)
+        ],
+        "fast_domains": [{"name": "node-0", "ranks": [0, 1]}, {"name": "node-1", "ranks": [2, 3]}],
+    }
+    path = tmp_path / "two_hosts.json"
+    path.write_text(json.dumps(topology))
+    tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
+    tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
+    result = torchrun(
+        "train_gpt.py",
+        *tiny,
+        "--corpus-mb",
+        "0.5",
+        "--strategy",
+        "hsdp",
+        ranks=4,
+        env={"LAMINA_TOPOLOGY": str(path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pre-flight verification: 4 ranks agree" in result.stdout, result.stdout
+    done = re.search(r"done: 12 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
+    assert done, result.stdout
+    first, last = map(float, done.groups())
+    assert last < first - 0.5, result.stdout

@@ -62,8 +62,6 @@ WORLD = 2
 CLEAN_ENV = {
     "LAMINA_BACKEND": "cpu",
     "LAMINA_DISABLE_COLLECTIVES": "",
-    "LAMINA_PLAN_OUT": "",
-    "LAMINA_VERIFY_ONLY": "",
 }
 #: Small bucket caps: the MLP's gradients land in several buckets, each with its node.
 SMALL_BUCKETS: dict[str, Any] = {"bucket_cap_mb": 0.004, "first_bucket_mb": 0.001}

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from fake_distributions import install_fake_distribution
 from lamina.backends.cpu import CpuBackend
 from lamina.device.backend import Availability, Backend
 from lamina.errors import BackendNotFoundError, BackendUnavailableError
@@ -18,24 +18,15 @@ from lamina.testing.cli import run_lamina
 pytestmark = pytest.mark.portable
 
 
-def _install_fake_distribution(site: Path, dist: str, module: str, source: str) -> None:
-    """A real installed distribution on ``site``: a module plus dist-info with entry points."""
-    (site / f"{module}.py").write_text(textwrap.dedent(source))
-    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[lamina]\n{dist} = {module}\n")
-
-
 @pytest.fixture
 def broken_site(tmp_path: Path) -> Path:
-    _install_fake_distribution(
+    install_fake_distribution(
         tmp_path,
         "lamina-broken-import",
         "lamina_broken_import",
         'raise RuntimeError("vendor runtime exploded on import")\n',
     )
-    _install_fake_distribution(
+    install_fake_distribution(
         tmp_path,
         "lamina-broken-hook",
         "lamina_broken_hook",
@@ -47,7 +38,7 @@ def broken_site(tmp_path: Path) -> Path:
             raise OSError("libvendor.so: cannot open shared object file")
         """,
     )
-    _install_fake_distribution(
+    install_fake_distribution(
         tmp_path,
         "lamina-bad-hookname",
         "lamina_bad_hookname",

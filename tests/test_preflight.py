@@ -57,7 +57,14 @@ def _case(kind: str, strategy: str, rank: int, topology: str | None = None) -> d
     """One rank of a case where rank 1 differs as ``kind`` says; returns what happened."""
     odd = rank == 1
     mesh: Any = ((2,), ("data",)) if kind == "mesh" and odd else "flat"
-    runtime = lamina.init(backend="cpu", mesh=mesh, topology=topology if kind == "world" else None)
+    result: dict[str, Any] = {"rank": rank}
+    started = time.monotonic()
+    try:  # a rank that builds another mesh is named by lamina.init, before any mesh group
+        lamina.init(backend="cpu", mesh=mesh, topology=topology if kind == "world" else None)
+    except VerificationError as exc:
+        result.update(outcome="verification", message=str(exc))
+        result["seconds"] = time.monotonic() - started
+        return result
     width = 48 if kind == "wider" and odd else 32
     dtype = torch.float64 if kind == "dtype" and odd else torch.float32
     model = _model(width, dtype, seed=rank)
@@ -71,8 +78,6 @@ def _case(kind: str, strategy: str, rank: int, topology: str | None = None) -> d
     if kind == "missing":  # a job of its own, about arrival: fx capture imports no dynamo
         options["capture_methods"] = ("fx",)
         options["verify"] = not odd
-    result: dict[str, Any] = {"rank": runtime.rank}
-    started = time.monotonic()
     try:
         wrapped = lamina.distribute(model, strategy, **options)
     except VerificationError as exc:

@@ -14,9 +14,9 @@ from lamina.errors import ConfigError
 from lamina.graph import capture
 from lamina.memory import build_layout, group_units
 from lamina.runtime import ExecutionPlan, PlanNode, RunLog, explain
-from lamina.runtime.build_dp import DPPlanInputs, bucket_node, build_dp_plan
-from lamina.runtime.build_zero3 import Zero3PlanInputs, build_zero3_plan
 from lamina.runtime.primitives import choose_primitive, disabled_from_env
+from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, build_dp_plan
+from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
 
 pytestmark = pytest.mark.portable
 
@@ -140,7 +140,7 @@ def test_zero3_plan_gathers_and_scatters_every_unit() -> None:
             layout=layout,
             forward_order=names,
             whole_forward=frozenset(),
-            group=(0, 1),
+            groups=PlanGroups(shard=(0, 1), shard_axis="dp", everyone=(0, 1), everyone_axis="dp"),
             backend="cpu",
             pg_backend="gloo",
             gather=choose_primitive("all_gather", "gloo"),
@@ -159,6 +159,74 @@ def test_zero3_plan_gathers_and_scatters_every_unit() -> None:
     order = plan.topological_order()
     assert order.index(f"{names[-1]}.forward") < order.index(f"{names[-1]}.backward")
     assert order.index(f"{names[0]}.backward") > order.index(f"{names[-1]}.backward")
+    assert not [n for n in plan.nodes if n.id.endswith(".all_reduce.replicas")]  # no replicas
+
+
+def test_hsdp_plan_shards_inside_a_host_and_all_reduces_shards_across_hosts() -> None:
+    model = _mlp()
+    layout = build_layout(model, 2, units=group_units(model, min_unit_numel=1))
+    names = [u.name for u in layout.units]
+    # rank 2 of a 2-host x 2-rank mesh: intra group [2, 3], inter group [0, 2]
+    groups = PlanGroups(
+        shard=(2, 3),
+        shard_axis="intra",
+        replicate=(0, 2),
+        replicate_axis="inter",
+        everyone=(0, 1, 2, 3),
+        everyone_axis="inter+intra",
+    )
+    inputs = Zero3PlanInputs(
+        layout=layout,
+        forward_order=names,
+        whole_forward=frozenset(),
+        groups=groups,
+        backend="cpu",
+        pg_backend="gloo",
+        gather=choose_primitive("all_gather", "gloo", mode="native"),
+        scatter=choose_primitive("reduce_scatter", "gloo", mode="native"),
+        setup_state=[("float32", 10)],
+        strategy="hsdp",
+    )
+    plan = build_zero3_plan(inputs)
+    assert plan.strategy == "hsdp" and dict(plan.meta)["shard_axis"] == "intra"
+    setup = plan.node("setup.broadcast.float32").collective
+    assert setup is not None and (setup.axis, setup.group) == ("inter+intra", (0, 1, 2, 3))
+    for unit in layout.units:
+        gather = plan.node(f"{unit.name}.gather.fwd").collective
+        scatter = plan.node(f"{unit.name}.reduce_scatter").collective
+        across = plan.node(f"{unit.name}.all_reduce.replicas").collective
+        assert gather is not None and (gather.axis, gather.group) == ("intra", (2, 3))
+        assert scatter is not None and (scatter.axis, scatter.group) == ("intra", (2, 3))
+        assert across is not None and (across.op, across.axis, across.group) == (
+            "all_reduce",
+            "inter",
+            (0, 2),
+        )
+        assert across.numel == unit.shard_numel  # only the shard crosses the slow link
+    order = plan.topological_order()
+    last = names[-1]
+    assert order.index(f"{last}.reduce_scatter") < order.index(f"{last}.all_reduce.replicas")
+    assert order.index(f"{last}.all_reduce.replicas") < order.index("optimizer")
+    # rank 0 (intra [0, 1], inter [0, 2]) has the same canonical plan and fingerprint
+    rank0 = build_zero3_plan(
+        Zero3PlanInputs(
+            **{
+                **inputs.__dict__,
+                "groups": PlanGroups(
+                    shard=(0, 1),
+                    shard_axis="intra",
+                    replicate=(0, 2),
+                    replicate_axis="inter",
+                    everyone=(0, 1, 2, 3),
+                    everyone_axis="inter+intra",
+                ),
+            }
+        )
+    )
+    assert rank0.collective_sequence() == plan.collective_sequence()
+    assert rank0.fingerprint == plan.fingerprint
+    assert "on intra (2 ranks)" in plan.collective_sequence()[1]
+    assert "intra [2, 3]" in explain(plan) and "inter [0, 2]" in explain(plan)
 
 
 def test_run_log_counts_issued_collectives_and_checks_fallbacks() -> None:

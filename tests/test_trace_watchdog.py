@@ -113,7 +113,7 @@ def test_diagnose_names_the_rank_that_never_entered(tmp_path: Path) -> None:
     assert (finding.entered_by, finding.missing) == ([0], [1])
     assert (finding.node, finding.op, finding.numel) == ("bucket0.all_reduce", "all_reduce", 1024)
     assert finding.message == (
-        "collective #6 bucket0.all_reduce (all_reduce float32 x 1024, 4.0 KiB) on group [0, 1] "
+        "collective #6 bucket0.all_reduce (all_reduce float32 x 1024, 4 KiB) on group [0, 1] "
         "was entered by rank(s) [0] and never by rank(s) [1]; rank 1's last collective on "
         "that group was #5 bucket2.all_reduce"
     )

@@ -13,18 +13,18 @@ from torch import nn
 from lamina.errors import ConfigError, VerificationError
 from lamina.graph import capture
 from lamina.memory.layout import build_layout
+from lamina.strategies.dp.plan import graph_lines
+from lamina.strategies.zero3.plan import shard_lines
 from lamina.testing.harness import run_ranks
 from lamina.verify import (
-    CATEGORIES,
     Difference,
     Manifest,
     build_manifest,
     find_differences,
     format_mismatch,
-    graph_lines,
+    mesh_lines,
     parameter_lines,
     preflight,
-    shard_lines,
     verify_timeout,
 )
 from lamina.verify.preflight import GRACE
@@ -47,16 +47,15 @@ def manifest_of(rank: int, world: int = 2, hidden: int = 32, plan: bool = True) 
     """Every category of a Net's manifest (module level: ranks call it)."""
     torch.manual_seed(0)
     model = Net(hidden)
+    graph = capture(model, (torch.randn(2, 16),), methods=("fx",))
     return build_manifest(
         rank,
         world_size=world,
         backend="cpu",
         collective_backend="gloo",
-        mesh_shape=(world,),
-        mesh_names=("dp",),
+        mesh=mesh_lines((world,), ("dp",)),
         module=model,
-        graph=capture(model, (torch.randn(2, 16),), methods=("fx",)),
-        layout=build_layout(model, world),
+        extra=[("graph", graph_lines(graph)), ("shards", shard_lines(build_layout(model, world)))],
         plan_lines=["all_reduce grads[0]", "all_reduce grads[1]"] if plan else None,
     )
 
@@ -70,17 +69,19 @@ def simple(rank: int, **lines: tuple[str, ...]) -> Manifest:
 
 def test_manifest_lines_digests_and_round_trip() -> None:
     m = manifest_of(0)
-    assert m.categories == CATEGORIES
+    # the core categories, the strategy's own (graph, shards) before the plan
+    assert m.categories == ("world", "backend", "mesh", "parameters", "graph", "shards", "plan")
     assert m.lines("parameters")[0] == "fc.weight: [32, 16] float32 requires_grad=True"
     assert m.lines("graph")[0] == "captured by fx"
     assert all("fc.weight@0" in line or "out." in line for line in m.lines("shards"))
-    assert len(m.digest_bytes()) == 32 * len(CATEGORIES)
+    assert len(m.digest_bytes()) == 32
     assert Manifest.from_dict(m.to_dict()) == m
     partial = simple(0, world=("world_size=2",))
-    assert partial.digest_bytes()[32:] == bytes(32 * (len(CATEGORIES) - 1))
     assert set(partial.digests()) == {"world"}
-    with pytest.raises(ConfigError, match="manifest categories"):
-        simple(0, weather=("sunny",))
+    # a category's name counts: the same lines under another name give another digest
+    assert simple(0, weather=("world_size=2",)).digest_bytes() != partial.digest_bytes()
+    with pytest.raises(ConfigError, match="manifest categories must be distinct"):
+        Manifest(0, (("world", ("a",)), ("world", ("b",))))
 
 
 def test_lines_are_deterministic() -> None:
@@ -139,13 +140,14 @@ def test_shorter_lists_and_missing_categories_show_absent() -> None:
     diffs = find_differences(
         [simple(0, plan=("x", "y")), simple(1, plan=("x",)), simple(2, plan=("x", "y"), graph=())]
     )
+    # the reference rank's categories first, then those only other ranks hold
     assert diffs == [
-        Difference("graph", (2,), 0, 0, "<absent>", "<empty>"),
         Difference("plan", (1,), 0, 1, "y", "<absent>"),
+        Difference("graph", (2,), 0, 0, "<absent>", "<empty>"),
     ]
     no_plan = find_differences([simple(0, plan=("p",)), simple(1, world=("w",))])
     assert Difference("plan", (1,), 0, 0, "p", "<absent>") in no_plan
-    assert "rank 1 has <absent>" in format_mismatch(no_plan[1:])
+    assert "rank 1 has <absent>" in format_mismatch(no_plan[:1])
 
 
 def test_long_values_are_cut_around_the_change() -> None:

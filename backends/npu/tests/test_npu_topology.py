@@ -107,7 +107,7 @@ def test_host_topology_assembly() -> None:
     assert host.device_type == "npu" and host.device_index == 3 and host.local_rank == 11
     assert len(host.local_links) == 28 and host.fast_groups == ()
     assert host.intra_host_default.kind == "hccs"
-    assert host.notes[0] == "8 NPU(s); device 3: Ascend910B1, 64.0 GiB"
+    assert host.notes[0] == "8 NPU(s); device 3: Ascend910B1, 64 GiB"
 
 
 def test_host_topology_without_the_query() -> None:

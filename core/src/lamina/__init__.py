@@ -5,6 +5,7 @@ the device contracts live in :mod:`lamina.device`; plugins implement
 :mod:`lamina.hookspecs`.
 """
 
+from lamina.api import distribute
 from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
 from lamina.device.kernels import Dim3, KernelLauncher
@@ -13,7 +14,7 @@ from lamina.device.topology import Topology
 from lamina.errors import LaminaError
 from lamina.hookspecs import hookimpl
 from lamina.session import Runtime, current, init, shutdown
-from lamina.strategies import distribute
+from lamina.strategies.contract import Placement
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "KernelLauncher",
     "LaminaError",
     "MemoryStats",
+    "Placement",
     "Runtime",
     "Stream",
     "Topology",

@@ -38,3 +38,15 @@ class KernelError(LaminaError, LookupError):
 class VerificationError(LaminaError, RuntimeError):
     """Ranks of one job disagree on what they are about to run (or one never arrived); the
     message names the ranks and the first difference."""
+
+
+#: Longest reason :func:`failure_reason` returns.
+_REASON_CHARS = 300
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``ExceptionType: first non-empty line of its message`` (shortened to one line), for
+    the reasons fallbacks record."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."

@@ -9,6 +9,14 @@ whose functions are decorated with :data:`hookimpl` and named after the specs be
 lamina loads each plugin in isolation: a plugin that raises on import, fails hook
 validation, or raises inside a hook is recorded with its error (``lamina info`` shows it)
 and unregistered, and every other plugin goes on working.
+
+Calls follow pluggy's rules. An implementation declares only the arguments it uses
+(``def lamina_discover_topology(local_rank)`` is valid) and receives just those.
+Implementations run in pluggy's order: those marked ``@hookimpl(tryfirst=True)`` first,
+then the others with the plugin registered last first, then ``trylast`` ones. ``None``
+is no answer; for a ``firstresult`` hook the first other answer is the result. Each
+implementation is called on its own, so one that raises fails only its plugin and the
+next one is asked; hook wrappers (``wrapper=True``) are therefore not supported.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ if TYPE_CHECKING:
     from lamina.device.backend import Backend
     from lamina.device.kernels import KernelRegistry
     from lamina.device.topology import HostTopology
+    from lamina.strategies.contract import Strategy
 
 #: The pluggy project name; also the entry-point group plugins are found in.
 PROJECT = "lamina"
@@ -64,4 +73,17 @@ def lamina_discover_topology(
     into the global topology. Return ``None`` to leave it to the next plugin and
     finally to ``backend.discover_host_topology``. The first non-``None`` answer wins.
     A topology file named by ``LAMINA_TOPOLOGY`` takes precedence over every answer.
+    """
+
+
+@hookspec
+def lamina_register_strategies() -> list[Strategy]:
+    """Return the parallel strategies this plugin provides (may be empty).
+
+    Called once, the first time a strategy is looked up (``lamina.distribute``). Each
+    item must be a :class:`lamina.strategies.contract.Strategy` with a name no other
+    strategy has (dp, zero3 and hsdp are built in); ``lamina.distribute(model, name,
+    **options)`` then validates ``options`` against its options dataclass, places it on
+    the runtime's mesh and calls its ``wrap``. A plugin whose answer is not a list of
+    strategies, or reuses a name, is recorded as failed and its strategies are ignored.
     """

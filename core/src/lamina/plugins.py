@@ -14,6 +14,7 @@ import pluggy
 from lamina import hookspecs
 from lamina.device.backend import Availability, Backend
 from lamina.device.kernels import KernelRegistry, builtin_registry
+from lamina.device.topology import HostTopology
 from lamina.errors import BackendNotFoundError, BackendUnavailableError
 
 #: Environment variable that names the backend to use, overriding priorities.
@@ -80,25 +81,73 @@ class PluginRegistry:
         try:
             self.manager.register(plugin, name=record.name)
             self.manager.check_pending()
+            _reject_wrappers(self.manager, plugin)
         except Exception as exc:
             record.fail("validation", exc)
             if self.manager.is_registered(plugin):
                 self.manager.unregister(plugin)
 
     def call_isolated(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every implementation of ``hook_name`` in registration order.
+        """Call ``hook_name`` as pluggy would, but one implementation at a time.
 
-        A plugin whose implementation raises is marked failed and unregistered; the
-        others still run. Returns ``(plugin name, result)`` pairs.
+        The order is pluggy's (``tryfirst`` ones, then the rest with the last registered
+        first, then ``trylast`` ones) and each implementation goes through pluggy's own
+        call machinery, so it receives only the arguments it declares. ``None`` is no
+        answer; for a ``firstresult`` hook the first other answer ends the call. A plugin
+        whose implementation raises is marked failed at ``hook <name>`` and unregistered,
+        and the next implementation is asked as if it had answered ``None``.
+
+        Returns ``(plugin name, answer)`` pairs in call order (at most one for a
+        ``firstresult`` hook).
         """
-        caller = getattr(self.manager.hook, hook_name)
-        results: list[tuple[str, Any]] = []
-        for impl in caller.get_hookimpls():
+        caller: pluggy.HookCaller = getattr(self.manager.hook, hook_name)
+        first = bool(caller.spec is not None and caller.spec.opts.get("firstresult"))
+        answers: list[tuple[str, Any]] = []
+        # pluggy's _multicall stops at the first exception, so isolation needs one call per
+        # implementation: a subset caller holding only that plugin, in pluggy's order.
+        for impl in reversed(caller.get_hookimpls()):
+            others = [p for p in self.manager.get_plugins() if p is not impl.plugin]
+            only_this = self.manager.subset_hook_caller(hook_name, remove_plugins=others)
             try:
-                results.append((impl.plugin_name, impl.function(**kwargs)))
+                result = only_this(**kwargs)
             except Exception as exc:
                 self._drop(impl.plugin_name, f"hook {hook_name}", exc)
-        return results
+                continue
+            answer = result if first else next(iter(result), None)
+            if answer is not None:
+                answers.append((impl.plugin_name, answer))
+                if first:
+                    break
+        return answers
+
+    def discover_host(
+        self, backend: Backend, local_rank: int, local_world_size: int
+    ) -> HostTopology:
+        """This host as ``lamina.init()`` sees it: the first plugin that describes it
+        (``lamina_discover_topology``), else ``backend.discover_host_topology``.
+
+        A plugin answering something other than a ``HostTopology`` is marked failed and
+        the remaining plugins are asked again.
+        """
+        hook = "lamina_discover_topology"
+        while answers := self.call_isolated(
+            hook, backend=backend, local_rank=local_rank, local_world_size=local_world_size
+        ):
+            plugin_name, answer = answers[0]
+            if isinstance(answer, HostTopology):
+                return answer
+            self.fail_plugin(
+                plugin_name,
+                f"hook {hook}",
+                f"returned {type(answer).__name__} from {hook}; "
+                "return a lamina.device.topology.HostTopology or None",
+            )
+        return backend.discover_host_topology(local_rank, local_world_size)
+
+    def fail_plugin(self, plugin_name: str, stage: str, message: str) -> None:
+        """Record ``plugin_name`` as failed at ``stage`` (e.g. a hook's answer was invalid)
+        and unregister it, with everything it registered."""
+        self._drop(plugin_name, stage, TypeError(message))
 
     def _drop(self, plugin_name: str, stage: str, exc: BaseException) -> None:
         record = self.records.setdefault(
@@ -112,8 +161,15 @@ class PluginRegistry:
             del self.backends[name]
 
     def collect_backends(self) -> None:
-        """Ask every plugin for its backends (each one's availability is probed when asked)."""
-        for plugin_name, result in self.call_isolated("lamina_register_backends"):
+        """Ask every plugin for its backends (each one's availability is probed when asked).
+
+        Names are settled in load order, not call order: of two plugins registering one
+        name, the one loaded first keeps it, whatever ``tryfirst`` says.
+        """
+        answers = self.call_isolated("lamina_register_backends")
+        load_order = list(self.records)
+        answers.sort(key=lambda pair: load_order.index(pair[0]))
+        for plugin_name, result in answers:
             try:
                 for backend in _as_backends(result, plugin_name):
                     self._add_backend(backend, plugin_name)
@@ -169,6 +225,17 @@ class PluginRegistry:
     def failures(self) -> list[PluginRecord]:
         """Plugins that failed to import, validate or run a hook."""
         return [r for r in self.records.values() if r.status == "failed"]
+
+
+def _reject_wrappers(manager: pluggy.PluginManager, plugin: object) -> None:
+    """lamina calls each implementation on its own, so a wrapper would wrap nothing."""
+    for caller in manager.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper):
+                raise TypeError(
+                    f"{caller.name} is declared as a hook wrapper, which lamina does not "
+                    "support (each implementation is called on its own); drop wrapper=True"
+                )
 
 
 def _probe(backend: Backend) -> Availability:

@@ -17,7 +17,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]
 from lamina.device.backend import Backend
 from lamina.device.handle import DeviceHandle
 from lamina.device.kernels import KernelLauncher
-from lamina.device.mesh import DeviceMesh
+from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh, grid_lines, planned_grid
 from lamina.device.topology import HostTopology, Topology, merge_host_topologies
 from lamina.device.topology_file import load_topology
 from lamina.errors import ConfigError
@@ -164,6 +164,7 @@ def init(
     try:
         control = _control_group(chosen, launch)
         topo = _build_topology(topology, chosen, plugins, launch, control)
+        _agree_on_mesh(mesh, topo, launch, control)
         device_mesh = _build_mesh(mesh, chosen.device_type, topo)
         start_from_env(
             launch.rank,
@@ -303,26 +304,41 @@ def _control_group(backend: Backend, launch: LaunchEnv) -> dist.ProcessGroup | N
 
 
 def _discover_host(backend: Backend, plugins: PluginRegistry, launch: LaunchEnv) -> HostTopology:
-    answers = plugins.call_isolated(
-        "lamina_discover_topology",
-        backend=backend,
-        local_rank=launch.local_rank,
-        local_world_size=launch.local_world_size,
-    )
-    for _plugin, answer in answers:
-        if isinstance(answer, HostTopology):
-            return answer
-    return backend.discover_host_topology(launch.local_rank, launch.local_world_size)
+    return plugins.discover_host(backend, launch.local_rank, launch.local_world_size)
 
 
-def _build_mesh(spec: MeshSpec, device_type: str, topology: Topology) -> DeviceMesh:
+def _mesh_axes(spec: MeshSpec) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """(shape or None for the topology's domains, axis names) of a mesh spec."""
     if spec == "flat":
-        return DeviceMesh.from_shape(device_type, (topology.world_size,), ("dp",), topology)
+        return None, ("dp",)
     if spec == "topology":
-        return DeviceMesh.from_topology(device_type, topology)
+        return None, TOPOLOGY_AXES
     if isinstance(spec, tuple) and len(spec) == 2:
-        shape, names = spec
-        return DeviceMesh.from_shape(device_type, shape, names, topology)
+        return tuple(spec[0]), tuple(spec[1])
     raise ConfigError(
         f"mesh={spec!r} is not understood; use 'flat', 'topology' or (shape, axis_names)"
     )
+
+
+def _agree_on_mesh(
+    spec: MeshSpec, topology: Topology, launch: LaunchEnv, control: dist.ProcessGroup | None
+) -> None:
+    """Before any mesh group exists, every rank checks that all build the same mesh: a rank
+    that builds another one would otherwise hang the others in the mesh's group creation.
+    A difference raises the pre-flight error naming the rank on every rank."""
+    shape, names = _mesh_axes(spec)
+    if spec == "flat":
+        shape = (topology.world_size,)
+    grid = planned_grid(shape, names, topology)
+    if launch.world_size == 1:
+        return
+    from lamina.verify import Manifest, preflight
+
+    preflight(Manifest(launch.rank, (("mesh", grid_lines(grid, names)),)), group=control)
+
+
+def _build_mesh(spec: MeshSpec, device_type: str, topology: Topology) -> DeviceMesh:
+    shape, names = _mesh_axes(spec)
+    if shape is None and spec == "topology":
+        return DeviceMesh.from_topology(device_type, topology)
+    return DeviceMesh.from_shape(device_type, shape or (topology.world_size,), names, topology)

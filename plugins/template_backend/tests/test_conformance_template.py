@@ -1,4 +1,4 @@
-"""The lamina conformance kit, run against the TEMPLATE backend."""
+"""The lamina conformance kit, run against backend "template"."""
 
 from lamina.testing.conformance import BackendConformance
 

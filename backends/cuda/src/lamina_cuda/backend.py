@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import warnings
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from typing import cast
 from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle
 from lamina.device.topology import HostTopology
+from lamina.versions import package_version
 
 __all__ = ["VENDOR_DISTRIBUTIONS", "CudaBackend", "cuda_unavailable_reason"]
 
@@ -89,10 +89,8 @@ class CudaBackend(Backend):
         return discover_host_topology(local_rank, local_world_size)
 
     def vendor_versions(self) -> dict[str, str]:
-        found: dict[str, str] = {}
-        for dist in VENDOR_DISTRIBUTIONS:
-            try:
-                found[dist] = md.version(dist)
-            except md.PackageNotFoundError:
-                continue
-        return found
+        return {
+            dist: version
+            for dist in VENDOR_DISTRIBUTIONS
+            if (version := package_version(dist)) is not None
+        }

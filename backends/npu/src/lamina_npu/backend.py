@@ -9,29 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata as md
 import os
 import sys
 
 from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle
 from lamina.device.topology import HostTopology
+from lamina.versions import package_version
 from lamina_npu.cann import probe_cann, torch_npu_installed
 from lamina_npu_autoload_guard import AUTOLOAD_ENV, DISABLED_ENV
 
 __all__ = ["NpuBackend"]
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def _torch_npu_pin() -> str:
     """The torch_npu release matching this torch (torch_npu follows torch's version)."""
-    torch_version = (_version("torch") or "").split("+", 1)[0]
+    torch_version = (package_version("torch") or "").split("+", 1)[0]
     return f"torch_npu=={torch_version}" if torch_version else "torch_npu"
 
 
@@ -73,7 +66,7 @@ class NpuBackend(Backend):
             return Availability.no(
                 f"import torch_npu failed ({type(exc).__name__}: {first_line}): check that "
                 f"the CANN toolkit at {probe.toolkit_root or 'the library path'} matches "
-                f"torch_npu {_version('torch_npu')} and that its set_env.sh is sourced"
+                f"torch_npu {package_version('torch_npu')} and that its set_env.sh is sourced"
             )
         from lamina_npu.handle import npu_runtime
 
@@ -85,7 +78,7 @@ class NpuBackend(Backend):
                 "`npu-smi info` and ASCEND_RT_VISIBLE_DEVICES"
             )
         return Availability.yes(
-            f"{count} NPU(s), torch_npu {_version('torch_npu')}, HCCL, "
+            f"{count} NPU(s), torch_npu {package_version('torch_npu')}, HCCL, "
             f"CANN at {probe.toolkit_root or os.path.dirname(probe.found['libhccl.so'])}"
         )
 
@@ -103,7 +96,7 @@ class NpuBackend(Backend):
     def vendor_versions(self) -> dict[str, str]:
         """torch_npu's version; CANN's too when torch_npu is already imported."""
         versions: dict[str, str] = {}
-        torch_npu_version = _version("torch_npu")
+        torch_npu_version = package_version("torch_npu")
         if torch_npu_version:
             versions["torch_npu"] = torch_npu_version
         module = sys.modules.get("torch_npu")

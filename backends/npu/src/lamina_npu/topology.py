@@ -22,6 +22,7 @@ from typing import Any
 
 from lamina.device.sysfs import discover_cpu_host
 from lamina.device.topology import HostTopology, LinkProfile, LocalLink
+from lamina.units import format_bytes
 
 __all__ = [
     "LINK_ESTIMATES",
@@ -163,7 +164,7 @@ def discover_npu_host(
     npu.init()  # aclInit before calling the ACL runtime directly
     props = npu.get_device_properties(index)
     notes = [
-        f"{count} NPU(s); device {index}: {props.name}, {int(props.total_memory) / 2**30:.1f} GiB"
+        f"{count} NPU(s); device {index}: {props.name}, {format_bytes(int(props.total_memory))}"
     ]
     query = query or acl_topology_query()
     links: tuple[LocalLink, ...] = ()

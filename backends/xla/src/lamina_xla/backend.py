@@ -7,6 +7,7 @@ from lamina.device.handle import DeviceHandle
 from lamina.device.sysfs import discover_cpu_host
 from lamina.device.topology import HostTopology
 from lamina.errors import NotSupportedError
+from lamina.versions import package_version
 from lamina_xla import probe
 from lamina_xla.handle import XlaHandle
 from lamina_xla.topology import xla_host_topology
@@ -31,10 +32,10 @@ class XlaBackend(Backend):
 
     def availability(self) -> Availability:
         """Check torch_xla, its torch pairing and the PJRT device type, in that order."""
-        torch_version = probe.installed_version("torch")
+        torch_version = package_version("torch")
         if not probe.find_torch_xla():
             return Availability.no(probe.missing_reason(torch_version))
-        xla_version = probe.installed_version("torch_xla")
+        xla_version = package_version("torch_xla")
         mismatch = probe.version_mismatch(torch_version, xla_version)
         if mismatch is not None:
             return Availability.no(mismatch)
@@ -122,5 +123,5 @@ class XlaBackend(Backend):
         return {
             name: version
             for name in ("torch_xla", "libtpu")
-            if (version := probe.installed_version(name)) is not None
+            if (version := package_version(name)) is not None
         }

@@ -17,12 +17,13 @@ configured for this process's chips before it starts, which only ``lamina.init``
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import os
 import re
 import sys
 from dataclasses import dataclass
+
+from lamina.versions import package_version
 
 #: Environment variable naming the PJRT device type (``TPU``, ``CPU``, ``CUDA``, ...).
 PJRT_DEVICE_ENV = "PJRT_DEVICE"
@@ -30,14 +31,6 @@ PJRT_DEVICE_ENV = "PJRT_DEVICE"
 SELECT_DEFAULT_ENV = "PJRT_SELECT_DEFAULT_DEVICE"
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
-
-
-def installed_version(distribution: str) -> str | None:
-    """The installed version of ``distribution``, found without importing it."""
-    try:
-        return md.version(distribution)
-    except md.PackageNotFoundError:
-        return None
 
 
 def release(version: str) -> tuple[int, int, int] | None:
@@ -132,7 +125,7 @@ def tpu_reason() -> str | None:
     from torch_xla._internal import tpu
 
     if not getattr(torch_xla, "_found_libtpu", True):
-        version = release_text(installed_version("torch_xla") or "2.9.0")
+        version = release_text(package_version("torch_xla") or "2.9.0")
         return (
             f"{PJRT_DEVICE_ENV}=TPU but libtpu is not installed; "
             f'pip install "torch_xla[tpu]=={version}"'

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lamina.errors import ConfigError, LaminaError
-from lamina.runtime.plan import format_bytes
 from lamina.trace.events import busbw_factor
+from lamina.units import format_bytes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 DTYPE = torch.float32

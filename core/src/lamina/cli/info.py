@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import platform
 from typing import Any
 
@@ -12,6 +11,7 @@ from rich.table import Table
 from lamina.device.backend import Backend
 from lamina.errors import LaminaError
 from lamina.plugins import PluginRegistry
+from lamina.versions import package_version
 
 #: Distributions whose versions ``lamina info`` reports (found without importing them).
 REPORTED_PACKAGES: tuple[str, ...] = (
@@ -25,13 +25,6 @@ REPORTED_PACKAGES: tuple[str, ...] = (
 )
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def _vendor_versions(backend: Backend) -> dict[str, str]:
     try:
         return dict(backend.vendor_versions())
@@ -39,11 +32,8 @@ def _vendor_versions(backend: Backend) -> dict[str, str]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def collect_info(registry: PluginRegistry) -> dict[str, Any]:
-    """The report as plain data (what ``--json`` prints)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    versions.update({name: _version(name) for name in REPORTED_PACKAGES})
-    plugins = [
+def _plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
+    return [
         {
             "name": r.name,
             "target": r.target,
@@ -56,6 +46,16 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         }
         for r in sorted(registry.records.values(), key=lambda r: r.name)
     ]
+
+
+def collect_info(registry: PluginRegistry) -> dict[str, Any]:
+    """The report as plain data (what ``--json`` prints).
+
+    The host topology is found as ``lamina.init()`` finds it (plugins first, then the
+    backend), so a topology plugin that fails here is listed among the plugins.
+    """
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    versions.update({name: package_version(name) for name in REPORTED_PACKAGES})
     backends = [
         {
             "name": name,
@@ -69,10 +69,16 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         }
         for name, entry in sorted(registry.backends.items())
     ]
+    from lamina.strategies.registry import strategies
+
     report: dict[str, Any] = {
         "versions": versions,
-        "plugins": plugins,
+        "plugins": _plugins(registry),
         "backends": backends,
+        "strategies": [
+            {"name": s.name, "summary": s.summary, "options": list(s.options.names())}
+            for s in strategies(registry).values()
+        ],
         "selected_backend": None,
         "selection_error": None,
         "devices": None,
@@ -86,7 +92,7 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
     report["selected_backend"] = backend.name
     handle = backend.handle()
     report["devices"] = {"type": backend.device_type, "count": handle.device_count()}
-    host = backend.discover_host_topology(0, 1)
+    host = registry.discover_host(backend, 0, 1)
     report["topology"] = {
         "host": host.host,
         "numa_nodes": {str(k): v for k, v in sorted(host.numa_cpus.items())},
@@ -94,6 +100,7 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         "fast_groups": [list(g) for g in host.fast_groups],
         "notes": list(host.notes),
     }
+    report["plugins"] = _plugins(registry)  # after discovery, which may fail a plugin
     return report
 
 
@@ -123,6 +130,13 @@ def render_info(report: dict[str, Any], console: Console) -> None:
             f"  {b['name']}: [{style}]{state}[/{style}]{reason}{selected}\n"
             f"      priority {b['priority']}, device {b['device_type']}, "
             f"collectives {b['collective_backend']}" + (f", {vendor}" if vendor else ""),
+            soft_wrap=True,
+        )
+
+    console.print("[bold]strategies[/bold] (lamina.distribute(model, NAME, **options))")
+    for s in report["strategies"]:
+        console.print(
+            f"  {s['name']}: {s['summary']}\n      options: {', '.join(s['options'])}",
             soft_wrap=True,
         )
 

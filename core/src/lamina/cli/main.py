@@ -11,6 +11,7 @@ from rich.console import Console
 
 from lamina.cli.bench import add_bench_parsers
 from lamina.cli.plan import add_plan_parsers
+from lamina.cli.plugin import add_plugin_parser
 from lamina.cli.run import add_run_parser
 from lamina.cli.trace import add_trace_parser
 from lamina.errors import LaminaError
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parsers(sub)
     add_trace_parser(sub)
     add_bench_parsers(sub)
+    add_plugin_parser(sub)
     return parser
 
 

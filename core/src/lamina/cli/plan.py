@@ -1,13 +1,13 @@
 """``lamina plan`` and ``lamina verify``: run a training script only up to its plan.
 
-Both launch SCRIPT with torchrun (through ``lamina run``'s launcher) and an environment
-variable that makes the strategy stop before its first collective:
+Both launch SCRIPT with torchrun (through ``lamina run``'s launcher) inside the rank
+runner (:mod:`lamina.cli.rank_runner`), which asks the strategy for its plan and stops
+before the first collective:
 
-- ``lamina plan`` sets ``$LAMINA_PLAN_OUT``: every rank writes its execution plan and
-  exits; the plans are read back, compared across ranks, and printed (``--explain``,
-  the default, or ``--json``).
-- ``lamina verify`` sets ``$LAMINA_VERIFY_ONLY``: the ranks run the pre-flight
-  cross-rank verification and exit; it prints OK or the difference.
+- ``lamina plan``: every rank writes its execution plan and exits; the plans are read
+  back, compared across ranks, and printed (``--explain``, the default, or ``--json``).
+- ``lamina verify``: the ranks run the pre-flight cross-rank verification and exit; it
+  prints OK or the difference.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lamina.cli.rank_runner import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
 from lamina.cli.run import LaunchPlan, check_backend, launch
 from lamina.errors import ConfigError
 from lamina.plugins import BACKEND_ENV
 from lamina.runtime import ExecutionPlan, explain
-from lamina.strategies.preflight import PLAN_OUT_ENV, VERIFY_FAILED_STATUS, VERIFY_ONLY_ENV
 from lamina.verify.preflight import TIMEOUT_ENV
 
 
@@ -35,7 +35,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
-def _launch(args: argparse.Namespace, env: dict[str, str], quiet_dir: Path | None = None) -> int:
+def _launch(
+    args: argparse.Namespace,
+    runner: list[str],
+    env: dict[str, str] | None = None,
+    quiet_dir: Path | None = None,
+) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if not Path(args.script).is_file():
@@ -46,7 +51,8 @@ def _launch(args: argparse.Namespace, env: dict[str, str], quiet_dir: Path | Non
     argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
     if quiet_dir is not None:  # the ranks' stdout (script prints, gloo chatter) to files
         argv += ["--redirects", "1", "--log-dir", str(quiet_dir)]
-    argv += [args.script, *args.script_args]
+    argv += ["-m", "lamina.cli.rank_runner", *runner, args.script, *args.script_args]
+    env = env or {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -73,7 +79,13 @@ def read_plans(folder: Path, nproc: int) -> list[ExecutionPlan]:
 def plan_command(args: argparse.Namespace) -> int:
     """``lamina plan``: build the plan without training and print it."""
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
-        status = _launch(args, {PLAN_OUT_ENV: tmp}, quiet_dir=Path(tmp) / "logs")
+        runner = ["--stop", "plan", "--out", tmp]
+        status = _launch(args, runner, quiet_dir=Path(tmp) / "logs")
+        if status == NO_PLAN_STATUS:
+            raise ConfigError(
+                "the script finished without building an execution plan; it must call "
+                "lamina.distribute(model, ...) and run a forward (or pass example_inputs)"
+            )
         if status != 0:
             print(f"lamina plan: the script failed (exit {status})", file=sys.stderr)
             return status
@@ -95,10 +107,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
     """``lamina verify``: only the pre-flight check; OK or the difference."""
-    env = {VERIFY_ONLY_ENV: "1"}
-    if args.timeout is not None:
-        env[TIMEOUT_ENV] = str(args.timeout)
-    status = _launch(args, env)
+    env = {TIMEOUT_ENV: str(args.timeout)} if args.timeout is not None else {}
+    status = _launch(args, ["--stop", "verify"], env)
     if status == 0:
         return 0
     what = "ranks differ" if status == VERIFY_FAILED_STATUS else f"exit status {status}"

@@ -19,9 +19,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lamina.errors import ConfigError
-from lamina.trace.analysis import TraceReport, build_report, format_bytes
+from lamina.trace.analysis import TraceReport, build_report
 from lamina.trace.events import read_dir
 from lamina.trace.export import save_chrome_trace
+from lamina.units import format_bytes
 
 #: Step rows shown in the terminal (the latest ones); ``--json`` has them all.
 MAX_STEP_ROWS = 20

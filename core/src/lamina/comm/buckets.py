@@ -20,6 +20,7 @@ import torch
 
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
+from lamina.units import format_bytes
 
 MIB = 2**20
 
@@ -112,7 +113,7 @@ class BucketPlan:
             names = b.param_names
             span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
             rows.append(
-                (str(b.index), b.dtype, str(len(names)), _human(b.nbytes), b.collective, span)
+                (str(b.index), b.dtype, str(len(names)), format_bytes(b.nbytes), b.collective, span)
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = [
@@ -120,8 +121,8 @@ class BucketPlan:
             for r in rows
         ]
         lines.append(
-            f"{len(self.buckets)} bucket(s), {_human(self.total_bytes)} per step; "
-            f"cap {_human(self.cap_bytes)}, first {_human(self.first_bucket_bytes)}, "
+            f"{len(self.buckets)} bucket(s), {format_bytes(self.total_bytes)} per step; "
+            f"cap {format_bytes(self.cap_bytes)}, first {format_bytes(self.first_bucket_bytes)}, "
             f"alignment {self.alignment_bytes} B"
         )
         if self.excluded:
@@ -141,14 +142,6 @@ def auto_bucket_cap(params: Sequence[ParamSpec]) -> int:
     """A bucket cap for ``params``: their gradient bytes / 8, clamped to [1 MiB, 25 MiB]."""
     total = sum(p.numel * torch.empty((), dtype=p.dtype).element_size() for p in params)
     return int(min(AUTO_MAX_CAP, max(AUTO_MIN_CAP, total // AUTO_TARGET_BUCKETS)))
-
-
-def _human(nbytes: int) -> str:
-    if nbytes >= MIB:
-        return f"{nbytes / MIB:.2f} MiB"
-    if nbytes >= 1024:
-        return f"{nbytes / 1024:.1f} KiB"
-    return f"{nbytes} B"
 
 
 def _aligned(numel: int, align_elems: int) -> int:

@@ -15,8 +15,7 @@ import abc
 
 import torch
 
-from lamina.errors import ConfigError
-from lamina.graph.capture import failure_reason
+from lamina.errors import ConfigError, failure_reason
 
 
 class Codec(abc.ABC):

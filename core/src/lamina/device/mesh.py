@@ -51,6 +51,26 @@ def factorize_topology(topology: Topology) -> list[list[int]]:
     return sorted(rows, key=lambda row: row[0])
 
 
+def planned_grid(
+    spec_shape: Sequence[int] | None, axis_names: Sequence[str], topology: Topology
+) -> list[list[int]] | list[int]:
+    """The rank grid a mesh will have, computed without creating any process group:
+    ranks in order for a ``spec_shape``, fast domains as rows when it is None."""
+    if spec_shape is None:
+        return factorize_topology(topology)
+    _check_shape(spec_shape, axis_names, topology.world_size)
+    grid: list[list[int]] | list[int] = (
+        torch.arange(topology.world_size).reshape(tuple(spec_shape)).tolist()
+    )
+    return grid
+
+
+def grid_lines(grid: list[list[int]] | list[int], axis_names: Sequence[str]) -> tuple[str, ...]:
+    """Canonical text of a mesh (axes, shape, rank grid), as :meth:`DeviceMesh.lines` gives."""
+    shape = list(torch.tensor(grid).shape)
+    return (f"axes={list(axis_names)}", f"shape={shape}", f"ranks={grid}")
+
+
 class DeviceMesh:
     """A named grid of ranks with one process group per axis, built on torch's DeviceMesh."""
 
@@ -118,6 +138,40 @@ class DeviceMesh:
     def group(self, axis: str | int) -> dist.ProcessGroup:
         """The process group of this rank along ``axis``."""
         return self.torch_mesh.get_group(self._axis_index(axis))
+
+    def group_over(self, axes: Sequence[str]) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
+        """This rank's process group spanning the named ``axes``, and its global ranks.
+
+        Every axis: the default group (``None``, the whole job). One axis: that axis's
+        group. Another subset (a mesh of three or more axes) is refused with a
+        :class:`MeshError` saying so.
+        """
+        names = self._ordered(axes)
+        if len(names) == len(self.shape):
+            return None, tuple(range(self.size()))
+        if len(names) == 1:
+            group = self.group(names[0])
+            return group, tuple(dist.get_process_group_ranks(group))
+        raise MeshError(
+            f"a group over axes {list(names)} of a {len(self.shape)}-axis mesh is not "
+            "supported yet; place the strategy on one axis or on all of them"
+        )
+
+    def axes_label(self, axes: Sequence[str]) -> str:
+        """``"intra"``, ``"inter+intra"``: the axes in mesh order, as plans name groups."""
+        return "+".join(self._ordered(axes))
+
+    def _ordered(self, axes: Sequence[str]) -> tuple[str, ...]:
+        for axis in axes:
+            self._axis_index(axis)
+        if len(set(axes)) != len(axes) or not axes:
+            raise MeshError(f"axes {list(axes)} must be distinct mesh axes, at least one")
+        return tuple(name for name in self.axis_names if name in axes)
+
+    def lines(self) -> tuple[str, ...]:
+        """Canonical text of the mesh (axes, shape and the whole rank grid): equal on every
+        rank of a job, so a rank that built another mesh is found by pre-flight."""
+        return grid_lines(self.ranks(), self.axis_names)
 
     def coordinates(self) -> dict[str, int]:
         """This rank's position on every axis."""

@@ -7,7 +7,7 @@ unused parameters, and a fingerprint that is equal across processes for the same
 and inputs.
 """
 
-from lamina.graph.capture import capture, failure_reason
+from lamina.graph.capture import capture
 from lamina.graph.fingerprint import canonical_description, fingerprint_of
 from lamina.graph.metadata import (
     CAPTURE_METHODS,
@@ -27,6 +27,5 @@ __all__ = [
     "NodeInfo",
     "canonical_description",
     "capture",
-    "failure_reason",
     "fingerprint_of",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from lamina.errors import ConfigError
+from lamina.errors import ConfigError, failure_reason
 from lamina.graph.fingerprint import fingerprint_of
 from lamina.graph.hook_trace import hook_path
 from lamina.graph.metadata import (
@@ -34,14 +34,6 @@ logger = logging.getLogger("lamina.graph")
 
 _PATHS: dict[str, Callable[[nn.Module, tuple[Any, ...], dict[str, Any], ParamTable], PathResult]]
 _PATHS = {"export": export_path, "fx": fx_path, "hooks": hook_path}
-_REASON_CHARS = 300
-
-
-def failure_reason(exc: BaseException) -> str:
-    """``ExceptionType: first non-empty line of its message`` (shortened to one line)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
 
 
 def _check_request(args: Any, methods: Sequence[str]) -> None:

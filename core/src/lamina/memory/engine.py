@@ -56,13 +56,19 @@ class UnitState:
     #: Plan node ids: ``{"fwd": ..., "bwd": ..., "scatter": ...}`` and who hears them.
     nodes: dict[str, str] = field(default_factory=dict)
     observer: GatherObserver | None = None
+    #: Group of the replicas of this shard (HSDP's slow axis; None: no replicas), and
+    #: their number: the shard gradient is averaged across them after the reduce-scatter.
+    replicate_group: dist.ProcessGroup | None = None
+    replicas: int = 1
     full: torch.Tensor | None = None
     pending: Any = None
     gathers: int = field(default=0)
 
     def traced(self, role: str) -> AbstractContextManager[Any]:
-        """Context around issuing this unit's ``role`` collective ("fwd", "bwd", "scatter")."""
-        if self.observer is None or self.layout.world_size == 1:
+        """Context around issuing this unit's ``role`` collective ("fwd", "bwd",
+        "scatter", "replicate")."""
+        peers = self.replicas if role == "replicate" else self.layout.world_size
+        if self.observer is None or peers == 1:
             return nullcontext(None)
         return self.observer.collective(self.nodes.get(role, f"{self.layout.name}.{role}"))
 
@@ -137,6 +143,10 @@ class _GatherUnit(torch.autograd.Function):
         primitive = unit.scatter_primitive or unit.primitive
         with unit.traced("scatter"):
             grad = reduce_scatter_mean(grad_full, unit.rank, world, primitive, unit.group)
+        if unit.replicas > 1:  # HSDP: the same shard on every replica, averaged across them
+            grad.div_(unit.replicas)
+            with unit.traced("replicate"):
+                dist.all_reduce(grad, group=unit.replicate_group)
         unit.release()
         return grad, None
 

@@ -19,7 +19,7 @@ def buffers_node(dtype: str) -> str:
 
 
 def broadcast_nodes(
-    phase: str, state: Sequence[tuple[str, int]], group: tuple[int, ...]
+    phase: str, state: Sequence[tuple[str, int]], group: tuple[int, ...], axis: str = "world"
 ) -> list[PlanNode]:
     """One coalesced broadcast from the group's first rank per (dtype, numel) of ``state``:
     ``phase="setup"`` at wrap time (parameters and buffers), ``"forward"`` before each
@@ -32,7 +32,9 @@ def broadcast_nodes(
             "collective",
             phase,
             f"broadcast {dtype} {what} from rank {group[0]}",
-            CollectiveSpec("broadcast", dtype, numel, dtype_from_name(dtype).itemsize, group),
+            CollectiveSpec(
+                "broadcast", dtype, numel, dtype_from_name(dtype).itemsize, group, axis=axis
+            ),
             attrs(source=group[0], when="wrap time" if setup else "training forward"),
         )
         for dtype, numel in state

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lamina.errors import ConfigError
-from lamina.runtime.plan import ExecutionPlan, format_bytes
+from lamina.runtime.plan import ExecutionPlan
 from lamina.trace.events import SpanEvent
 from lamina.trace.recorder import IssueHandle, get_recorder
+from lamina.units import format_bytes
 
 logger = logging.getLogger("lamina.runtime")
 

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from lamina.errors import ConfigError
+from lamina.units import format_bytes
 
 PLAN_VERSION = 1
 
@@ -42,7 +43,10 @@ class CollectiveSpec:
 
     ``numel`` counts elements of the full buffer (the gathered output of an all-gather,
     the input of a reduce-scatter); ``wire_dtype`` is the dtype on the wire when a codec
-    compresses it (``None``: ``dtype``).
+    compresses it (``None``: ``dtype``). ``group`` is the global ranks of this rank's group
+    and ``axis`` the mesh axis (or axes, ``"inter+intra"``) the group spans: ``"world"``
+    for the whole job. Ranks of different groups on one axis hold different ``group``
+    lists; what they must agree on is the axis and the group size.
     """
 
     op: str
@@ -52,6 +56,7 @@ class CollectiveSpec:
     group: tuple[int, ...]
     wire_dtype: str | None = None
     wire_element_size: int | None = None
+    axis: str = "world"
 
     @property
     def nbytes(self) -> int:
@@ -59,12 +64,17 @@ class CollectiveSpec:
         return self.numel * (self.wire_element_size or self.element_size)
 
     def describe(self) -> str:
-        """``all_reduce float32 x 1024 (4.0 KiB) group [0, 1]`` (one line, canonical)."""
+        """``all_reduce float32 x 1024 (4.0 KiB) on intra [0, 1]`` (this rank's group)."""
+        return f"{self._what()} on {self.axis} {list(self.group)}"
+
+    def canonical(self) -> str:
+        """``all_reduce float32 x 1024 (4.0 KiB) on intra (2 ranks)``: the same text on every
+        rank of a job, whichever group of the axis the rank is in."""
+        return f"{self._what()} on {self.axis} ({len(self.group)} ranks)"
+
+    def _what(self) -> str:
         wire = f" as {self.wire_dtype}" if self.wire_dtype else ""
-        return (
-            f"{self.op} {self.dtype}{wire} x {self.numel} ({format_bytes(self.nbytes)}) "
-            f"group {list(self.group)}"
-        )
+        return f"{self.op} {self.dtype}{wire} x {self.numel} ({format_bytes(self.nbytes)})"
 
 
 @dataclass(frozen=True)
@@ -174,8 +184,9 @@ class ExecutionPlan:
 
     # -- verification items --------------------------------------------------------------
     def collective_sequence(self) -> list[str]:
-        """One canonical line per collective, in issue order (what ranks must agree on)."""
-        return [f"{n.id}: {n.collective.describe()}" for n in self.collectives() if n.collective]
+        """One canonical line per collective, in issue order (what ranks must agree on):
+        op, dtype, size, mesh axis and group size, the same on every rank."""
+        return [f"{n.id}: {n.collective.canonical()}" for n in self.collectives() if n.collective]
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -215,8 +226,12 @@ class ExecutionPlan:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the canonical plan (nodes, edges, fallbacks decided; not run events)."""
+        """sha256 of the canonical plan (nodes, edges, fallbacks decided; not run events):
+        equal on every rank of a job, so group ranks count by their number only."""
         body = self.to_dict_without_fingerprint()
+        for node in body["nodes"]:
+            if "collective" in node:
+                node["collective"]["group"] = len(node["collective"]["group"])
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -269,15 +284,6 @@ def _node_from(data: dict[str, Any]) -> PlanNode:
         collective=collective,
         attrs=tuple(sorted((str(k), str(v)) for k, v in data.get("attrs", {}).items())),
     )
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 MiB`` style sizes."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def attrs(**values: object) -> tuple[tuple[str, str], ...]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lamina.runtime.log import RunLog
-from lamina.runtime.plan import ExecutionPlan, format_bytes
+from lamina.runtime.plan import ExecutionPlan
+from lamina.units import format_bytes
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -55,7 +56,7 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
                 dtype,
                 str(spec.numel),
                 format_bytes(spec.nbytes),
-                f"{list(spec.group)}",
+                f"{spec.axis} {list(spec.group)}",
             )
         )
     lines += _table(seq_rows) if collectives else ["  (none: one rank)"]

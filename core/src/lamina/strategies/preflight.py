@@ -1,115 +1,85 @@
-"""What a strategy does between planning and its first collective.
+"""What every strategy does between planning and its first collective.
 
-1. ``$LAMINA_PLAN_OUT`` set (``lamina plan``): write the plan as JSON to that folder
-   (``plan.json`` from rank 0) and stop the script with exit status 0, before any
-   collective.
-2. Pre-flight verification (:func:`lamina.verify.preflight`) across all ranks, unless
-   the strategy was given ``verify=False``.
-3. ``$LAMINA_VERIFY_ONLY=1`` (``lamina verify``): print ``OK`` or the difference and stop
-   (status 0 or 3).
+A wrapped model calls :func:`before_first_collective` once, with the runtime it was
+given, its :class:`~lamina.strategies.contract.PlannedStep` and the module. That runs
+the pre-flight cross-rank verification (:func:`lamina.verify.preflight`) unless the
+strategy was given ``verify=False``, with the manifest items the strategy contributes.
+
+``lamina plan`` and ``lamina verify`` run the user's script through a rank runner
+(:mod:`lamina.cli.rank_runner`) that first calls :func:`request_stop`: the strategy then
+raises :class:`StopBeforeFirstCollective` carrying its plan (``"plan"``), or the passed
+verification (``"verify"``), and the runner reports it. Nothing here ends the process.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from lamina.errors import ConfigError, VerificationError
-from lamina.graph import CapturedGraph
-from lamina.memory.layout import ShardLayout
 from lamina.runtime import ExecutionPlan
+from lamina.strategies.contract import PlannedStep
 from lamina.verify import Manifest, PreflightReport, build_manifest, preflight
 
-PLAN_OUT_ENV = "LAMINA_PLAN_OUT"
-VERIFY_ONLY_ENV = "LAMINA_VERIFY_ONLY"
-#: Exit status of a ``lamina verify`` run that found a difference.
-VERIFY_FAILED_STATUS = 3
+if TYPE_CHECKING:
+    from lamina.session import Runtime
 
-logger = logging.getLogger("lamina.strategies")
+StopAt = Literal["plan", "verify"]
+
+_STOP: StopAt | None = None
 
 
-def write_plan(plan: ExecutionPlan, folder: str, rank: int) -> Path:
-    """Write ``plan.json`` (rank 0) or ``plan.rank<N>.json`` into ``folder``."""
-    out = Path(folder)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"{PLAN_OUT_ENV}={folder!r} cannot be created ({exc}); pick a writable folder"
-        ) from None
-    path = out / ("plan.json" if rank == 0 else f"plan.rank{rank}.json")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(plan.to_json() + "\n")
-    tmp.replace(path)
-    return path
+class StopBeforeFirstCollective(BaseException):
+    """Raised out of the user's script when the launcher asked to stop before the first
+    collective. A ``BaseException``, so that a script's ``except Exception`` lets it by."""
+
+    def __init__(self, plan: ExecutionPlan, report: PreflightReport | None = None) -> None:
+        super().__init__(f"stopped before the first collective of a {plan.strategy} plan")
+        self.plan = plan
+        self.report = report
+
+
+def request_stop(at: StopAt | None) -> None:
+    """Make the next strategy that plans stop there: ``"plan"`` right after planning,
+    ``"verify"`` after the pre-flight check; ``None`` cancels the request."""
+    global _STOP
+    if at not in (None, "plan", "verify"):
+        raise ValueError(f"request_stop takes 'plan', 'verify' or None, got {at!r}")
+    _STOP = at
 
 
 def before_first_collective(
-    plan: ExecutionPlan,
-    module: nn.Module,
-    *,
-    verify: bool,
-    graph: CapturedGraph | None = None,
-    layout: ShardLayout | None = None,
+    runtime: Runtime, planned: PlannedStep, module: nn.Module, *, verify: bool
 ) -> PreflightReport | None:
-    """Write the plan and stop (``lamina plan``), or verify it across ranks."""
-    from lamina.session import current
-
-    runtime = current()
-    rank = runtime.rank if runtime is not None else 0
-    plan_out = os.environ.get(PLAN_OUT_ENV)
-    if plan_out:
-        path = write_plan(plan, plan_out, rank)
-        logger.info("wrote the execution plan to %s; stopping before step 1", path)
-        _stop(0)
-    verify_only = os.environ.get(VERIFY_ONLY_ENV, "") not in ("", "0")
-    if runtime is None or not (verify or verify_only):
+    """Stop here for ``lamina plan``, or verify the plan across ranks (see the module)."""
+    if _STOP == "plan":
+        raise StopBeforeFirstCollective(planned.plan)
+    if not (verify or _STOP == "verify"):
         return None
-    manifest = build_manifest(
-        rank,
-        world_size=runtime.world_size,
-        backend=runtime.backend.name,
-        collective_backend=runtime.backend.collective_backend,
-        mesh_shape=runtime.mesh.shape,
-        mesh_names=runtime.mesh.axis_names,
-        module=module,
-        graph=graph,
-        layout=layout,
-        plan_lines=plan.collective_sequence(),
-    )
-    topology = runtime.topology
-    hosts = [f"{h}: ranks {topology.ranks_on_host(h)}" for h in topology.hosts()]
-    manifest = Manifest(
-        rank,
-        tuple(
-            (name, lines + tuple(f"host {h}" for h in hosts) if name == "world" else lines)
-            for name, lines in manifest.items
-        ),
-    )
-    try:
-        report = preflight(manifest, group=runtime.control_group)
-    except VerificationError as exc:
-        if verify_only:
-            print(f"lamina verify: rank {rank}: FAILED: {exc}", file=sys.stderr, flush=True)
-            _stop(VERIFY_FAILED_STATUS)
-        raise
-    if verify_only:
-        if rank == 0:
-            print(f"lamina verify: OK: {report.summary()}", flush=True)
-        _stop(0)
+    report = preflight(manifest_of(runtime, planned, module), group=runtime.control_group)
+    if _STOP == "verify":
+        raise StopBeforeFirstCollective(planned.plan, report)
     return report
 
 
-def _stop(status: int) -> NoReturn:
-    """End the script here with ``status``, without interpreter teardown: destroying a
-    gloo group while a peer process is already gone can abort (SIGABRT) instead of
-    exiting with the status ``lamina plan`` / ``lamina verify`` report. No collective of
-    the job has run yet, so there is nothing to finish."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+def manifest_of(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> Manifest:
+    """This rank's pre-flight manifest: the job (world with its hosts, backend, mesh), the
+    module's parameters, the strategy's own items and the plan's collective sequence."""
+    manifest = build_manifest(
+        runtime.rank,
+        world_size=runtime.world_size,
+        backend=runtime.backend.name,
+        collective_backend=runtime.backend.collective_backend,
+        mesh=runtime.mesh.lines(),
+        module=module,
+        extra=planned.manifest,
+        plan_lines=planned.plan.collective_sequence(),
+    )
+    topology = runtime.topology
+    hosts = tuple(f"host {h}: ranks {topology.ranks_on_host(h)}" for h in topology.hosts())
+    return Manifest(
+        runtime.rank,
+        tuple(
+            (name, lines + hosts if name == "world" else lines) for name, lines in manifest.items
+        ),
+    )

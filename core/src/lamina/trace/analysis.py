@@ -24,20 +24,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from lamina.trace.events import CollectiveEvent, RankTrace, busbw_factor, read_dir
+from lamina.units import format_bytes
 
 #: Events smaller than this share one size class.
 SMALL_BYTES = 4096
 Interval = tuple[int, int]
-
-
-def format_bytes(n: int) -> str:
-    """``4 KiB``, ``1.5 MiB``: binary units, no decimals when exact."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 class _Record:

@@ -20,6 +20,7 @@ from typing import Any
 
 from lamina.errors import LaminaError
 from lamina.trace.events import CollectiveEvent, RankTrace, read_dir
+from lamina.units import format_bytes
 
 
 @dataclass
@@ -138,16 +139,7 @@ def _signature(event: CollectiveEvent) -> tuple[object, ...]:
 
 
 def _what(event: CollectiveEvent) -> str:
-    return f"{event.op} {event.dtype} x {event.numel}, {_format_bytes(event.bytes)}"
-
-
-def _format_bytes(n: float) -> str:
-    """``4.0 KiB`` (lamina.runtime's style; not imported: lamina.runtime imports trace)."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{event.op} {event.dtype} x {event.numel}, {format_bytes(event.bytes)}"
 
 
 def _check_group(

@@ -1,8 +1,9 @@
 """Pre-flight cross-rank verification: a mismatch becomes an error on every rank, not a hang.
 
 Each rank builds a :class:`Manifest` (canonical text lines per category: world, backend,
-mesh, parameters, graph, shards, plan) and calls :func:`preflight` once, before the
-first collective of step 1. Ranks compare digests; when they differ every rank raises
+mesh, parameters, the strategy's own categories such as graph or shards, plan) and calls
+:func:`preflight` once, before the first collective of step 1. Ranks compare digests;
+when they differ every rank raises
 the same :class:`~lamina.errors.VerificationError` naming the ranks and the first
 differing line, and a rank that never arrives is named after ``$LAMINA_VERIFY_TIMEOUT``.
 """
@@ -14,10 +15,8 @@ from lamina.verify.manifest import (
     Manifest,
     backend_lines,
     build_manifest,
-    graph_lines,
     mesh_lines,
     parameter_lines,
-    shard_lines,
     world_lines,
 )
 from lamina.verify.preflight import (
@@ -40,11 +39,9 @@ __all__ = [
     "build_manifest",
     "find_differences",
     "format_mismatch",
-    "graph_lines",
     "mesh_lines",
     "parameter_lines",
     "preflight",
-    "shard_lines",
     "verify_timeout",
     "world_lines",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lamina.verify.manifest import CATEGORIES, DIGEST_SIZE, Manifest
+from lamina.verify.manifest import Manifest
 
 ABSENT = "<absent>"
 """Stands for a line (or a whole category) one side does not have."""
@@ -46,8 +46,8 @@ def _first_difference(ref: Manifest, other: Manifest, category: str) -> tuple[in
 def find_differences(manifests: Sequence[Manifest]) -> list[Difference]:
     """Every group of ranks that differs from the lowest rank, category by category.
 
-    Per category (in :data:`~lamina.verify.manifest.CATEGORIES` order) ranks are grouped
-    by digest; the group holding the lowest rank is the reference and every other group
+    Per category (the reference rank's order, then categories only others hold) ranks
+    are grouped by digest; the group holding the lowest rank is the reference and every other group
     gives one :class:`Difference` naming all its ranks, with the first line where its
     lowest rank differs from the reference rank.
     """
@@ -55,13 +55,15 @@ def find_differences(manifests: Sequence[Manifest]) -> list[Difference]:
         return []
     ordered = sorted(manifests, key=lambda m: m.rank)
     reference = ordered[0]
-    digests = [(m, m.digest_bytes()) for m in ordered]
+    categories: list[str] = []
+    for manifest in ordered:
+        categories += [c for c in manifest.categories if c not in categories]
     found: list[Difference] = []
-    for slot, category in enumerate(CATEGORIES):
-        window = slice(slot * DIGEST_SIZE, (slot + 1) * DIGEST_SIZE)
-        groups: dict[bytes, list[Manifest]] = {}
-        for manifest, digest in digests:
-            groups.setdefault(digest[window], []).append(manifest)
+    for category in categories:
+        groups: dict[str | None, list[Manifest]] = {}
+        for manifest in ordered:
+            key = manifest.digests().get(category)
+            groups.setdefault(key, []).append(manifest)
         for members in groups.values():
             lowest = members[0]
             if lowest is reference:

@@ -3,8 +3,10 @@
 Every builder here is a pure function of its input whose text is the same in every
 process, whatever ``PYTHONHASHSEED`` is or which device index the rank uses: no node
 names, no devices, no memory addresses, no set or dict iteration of unordered data.
-Ranks compare the per-category sha256 digests first and only exchange the lines when a
-digest differs, to say where.
+Ranks compare one sha256 digest of the whole manifest first and only exchange the lines
+when it differs, to say where. The core categories are :data:`CATEGORIES`; a strategy
+adds its own (e.g. ``graph``, ``shards``) between ``parameters`` and ``plan``, so this
+module knows nothing of graphs or shard layouts.
 """
 
 from __future__ import annotations
@@ -12,22 +14,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 
-if TYPE_CHECKING:
-    from lamina.graph.metadata import CapturedGraph
-    from lamina.memory.layout import ShardLayout
-
-CATEGORIES = ("world", "backend", "mesh", "parameters", "graph", "shards", "plan")
-"""Every category, in the order ranks compare them (and messages report them)."""
+CATEGORIES = ("world", "backend", "mesh", "parameters", "plan")
+"""The core categories, in the order ranks compare them; a strategy's own come before
+``plan``."""
 
 DIGEST_SIZE = 32
-"""Bytes of one category's digest (sha256)."""
+"""Bytes of a digest (sha256)."""
 
 Items = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -40,18 +39,13 @@ class Manifest:
     items: Items
 
     def __post_init__(self) -> None:
-        by_name = dict(self.items)
-        unknown = [name for name, _ in self.items if name not in CATEGORIES]
-        if unknown or len(by_name) != len(self.items):
-            raise ConfigError(
-                f"manifest categories must be distinct names from {list(CATEGORIES)}, got "
-                f"{[name for name, _ in self.items]}"
-            )
+        names = [name for name, _ in self.items]
+        if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"manifest categories must be distinct non-empty names, got {names}")
         for name, lines in self.items:
             if not all(isinstance(line, str) for line in lines):
                 raise ConfigError(f"manifest category {name!r} must hold strings only")
-        ordered = tuple((c, tuple(by_name[c])) for c in CATEGORIES if c in by_name)
-        object.__setattr__(self, "items", ordered)
+        object.__setattr__(self, "items", tuple((n, tuple(lines)) for n, lines in self.items))
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -74,9 +68,12 @@ class Manifest:
         return {name: _digest(lines).hex() for name, lines in self.items}
 
     def digest_bytes(self) -> bytes:
-        """Every category's raw digest in :data:`CATEGORIES` order (zeros where absent)."""
-        held = dict(self.items)
-        return b"".join(_digest(held[c]) if c in held else bytes(DIGEST_SIZE) for c in CATEGORIES)
+        """One sha256 over every category's name and digest, in order: equal manifests
+        give equal bytes (:data:`DIGEST_SIZE` of them)."""
+        whole = hashlib.sha256()
+        for name, lines in self.items:
+            whole.update(name.encode("utf-8") + b"\0" + _digest(lines))
+        return whole.digest()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (picklable, JSON-serializable); :meth:`from_dict` reads it back."""
@@ -109,7 +106,7 @@ def backend_lines(backend_name: str, collective_backend: str) -> tuple[str, ...]
 
 
 def mesh_lines(shape: Sequence[int], names: Sequence[str]) -> tuple[str, ...]:
-    """The device mesh's shape and dimension names."""
+    """A device mesh's shape and axis names (``DeviceMesh.lines()`` adds the rank grid)."""
     return (f"shape={[int(s) for s in shape]}", f"names={[str(n) for n in names]}")
 
 
@@ -122,54 +119,30 @@ def parameter_lines(module: nn.Module) -> tuple[str, ...]:
     )
 
 
-def graph_lines(graph: CapturedGraph) -> tuple[str, ...]:
-    """The capture method, then one line per node: op, target, output shapes and dtypes
-    (what the graph fingerprint hashes; node names and devices are left out)."""
-    nodes = (
-        f"#{i} {n.op} {n.target}: shapes={[list(s) for s in n.shapes]} dtypes={list(n.dtypes)}"
-        for i, n in enumerate(graph.nodes)
-    )
-    return (f"captured by {graph.method}", *nodes)
-
-
-def shard_lines(layout: ShardLayout) -> tuple[str, ...]:
-    """One line per unit of the shard layout: sizes, padding, parameters with offsets."""
-    return tuple(
-        f"unit {u.index} {u.name}: {u.dtype} world_size={u.world_size} "
-        f"align={u.alignment_bytes} total_numel={u.total_numel} shard_numel={u.shard_numel} "
-        f"padding={u.padding} params=[{', '.join(f'{p.name}@{p.offset}' for p in u.params)}]"
-        for u in layout.units
-    )
-
-
 def build_manifest(
     rank: int,
     *,
     world_size: int,
     backend: str,
     collective_backend: str,
-    mesh_shape: Sequence[int],
-    mesh_names: Sequence[str],
+    mesh: Sequence[str],
     module: nn.Module | None = None,
-    graph: CapturedGraph | None = None,
-    layout: ShardLayout | None = None,
+    extra: Iterable[tuple[str, Sequence[str]]] = (),
     plan_lines: Iterable[str] | None = None,
 ) -> Manifest:
-    """This rank's manifest: world, backend and mesh always, the rest when given.
+    """This rank's manifest: world, backend and mesh (its canonical ``lines``) always,
+    then the parameters, the ``extra`` categories a strategy contributes, and the plan.
 
     ``plan_lines`` is the plan's canonical text, e.g. ``plan.collective_sequence()``.
     """
     items: list[tuple[str, tuple[str, ...]]] = [
         ("world", world_lines(world_size)),
         ("backend", backend_lines(backend, collective_backend)),
-        ("mesh", mesh_lines(mesh_shape, mesh_names)),
+        ("mesh", tuple(str(line) for line in mesh)),
     ]
     if module is not None:
         items.append(("parameters", parameter_lines(module)))
-    if graph is not None:
-        items.append(("graph", graph_lines(graph)))
-    if layout is not None:
-        items.append(("shards", shard_lines(layout)))
+    items += [(name, tuple(str(line) for line in lines)) for name, lines in extra]
     if plan_lines is not None:
         items.append(("plan", tuple(str(line) for line in plan_lines)))
     return Manifest(rank, tuple(items))

@@ -1,19 +1,19 @@
-"""TEMPLATE backend and handle: the shape of an accelerator backend, run on the host CPU.
+"""Backend "template": the shape of an accelerator backend, run on the host CPU.
 
-This is not a device. Every method is written the way a real backend writes it, and its
-docstring names the vendor call that would go there (``torch.<vendor>`` stands for the
-vendor's torch module, e.g. ``torch.xpu``). The bodies reuse lamina's CPU pieces
-(:mod:`lamina.backends.cpu`) because on the host the behaviour is the same.
+Made from lamina's backend TEMPLATE, this is not a device yet. Every method is written
+the way a real backend writes it, and its docstring names the vendor call that would go
+there (``torch.<vendor>`` stands for the vendor's torch module, e.g. ``torch.xpu``). The
+bodies reuse lamina's CPU pieces (:mod:`lamina.backends.cpu`) because on the host the
+behaviour is the same.
 
-To turn it into a real backend: rename the package, set ``name``/``device_type``/
-``collective_backend``, import the vendor module lazily in :meth:`TemplateBackend.availability`
-and :meth:`TemplateBackend.handle`, and replace each body with the named call.
+To turn it into a real backend: set ``priority``/``device_type``/``collective_backend``,
+import the vendor module lazily in :meth:`TemplateBackend.availability` and
+:meth:`TemplateBackend.handle`, and replace each body with the named call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata as md
 from contextlib import AbstractContextManager
 
 import torch
@@ -23,6 +23,7 @@ from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
 from lamina.device.sysfs import discover_cpu_host
 from lamina.device.topology import HostTopology
+from lamina.versions import package_version
 
 __all__ = ["BACKEND_NAME", "TEMPLATE_NOTE", "TemplateBackend", "TemplateHandle"]
 
@@ -34,7 +35,7 @@ TEMPLATE_NOTE = "TEMPLATE backend for plugin authors: runs on the host CPU, not 
 
 
 class TemplateHandle(DeviceHandle):
-    """TEMPLATE DeviceHandle: one method per vendor runtime call, implemented on the host.
+    """The template DeviceHandle: one method per vendor runtime call, run on the host.
 
     Memory figures are the host process's (``scope="process"``); streams and events are
     the CPU backend's synchronous queue and host timestamps.
@@ -114,7 +115,7 @@ class TemplateHandle(DeviceHandle):
 
 
 class TemplateBackend(Backend):
-    """TEMPLATE Backend: never chosen by default (priority -10); select it by name."""
+    """Backend "template": never chosen by default (priority -10); select it by name."""
 
     name = BACKEND_NAME
     priority = -10  # a real accelerator uses > 0 so that it wins over "cpu" when present
@@ -134,8 +135,8 @@ class TemplateBackend(Backend):
         # Step 3, the collective library the handle names.
         if not dist.is_available() or not dist.is_gloo_available():
             return Availability.no(
-                "this torch build has no gloo support, which the template backend uses for "
-                "collectives; install a standard torch wheel"
+                f"this torch build has no gloo support, which backend {BACKEND_NAME!r} uses "
+                "for collectives; install a standard torch wheel"
             )
         return Availability.yes(f"{TEMPLATE_NOTE}; {count} device(s), gloo")
 
@@ -151,10 +152,8 @@ class TemplateBackend(Backend):
 
     def vendor_versions(self) -> dict[str, str]:
         """Vendor: the versions of its runtime packages, read from metadata (no import)."""
-        versions: dict[str, str] = {}
-        for dist_name in ("torch", "lamina-backend-template"):
-            try:
-                versions[dist_name] = md.version(dist_name)
-            except md.PackageNotFoundError:
-                continue
-        return versions
+        return {
+            dist: version
+            for dist in ("torch", "lamina-backend-template")
+            if (version := package_version(dist)) is not None
+        }

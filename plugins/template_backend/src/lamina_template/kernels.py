@@ -1,4 +1,4 @@
-"""TEMPLATE kernel: one implementation of a built-in kernel, registered under "template".
+"""Kernels of backend "template": one implementation of a built-in kernel.
 
 A real backend launches its own device code here (a Triton kernel, a vendor op) with
 the :class:`~lamina.device.kernels.LaunchConfig` it is given; the template runs the
@@ -39,5 +39,5 @@ def scale_accumulate_template(
 
 
 def register_template_kernels(registry: KernelRegistry, backend: str) -> None:
-    """Register the template's implementations in ``registry`` under ``backend``."""
+    """Register this package's implementations in ``registry`` under ``backend``."""
     registry.register("scale_accumulate", backend, scale_accumulate_template)

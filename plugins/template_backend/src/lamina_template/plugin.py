@@ -1,4 +1,4 @@
-"""TEMPLATE plugin module: the target of the ``lamina`` entry point.
+"""The plugin module of backend "template": the target of the ``lamina`` entry point.
 
 lamina imports this module and calls its ``@hookimpl`` functions. Keep it cheap: no
 vendor import, no device probing; both belong in ``Backend.availability()``.
@@ -19,11 +19,11 @@ from lamina_template.kernels import register_template_kernels
 
 @hookimpl
 def lamina_register_backends() -> list[Backend]:
-    """The TEMPLATE backend (a host-CPU stand-in for an accelerator)."""
+    """The template backend (until ported, a host-CPU stand-in for an accelerator)."""
     return [TemplateBackend()]
 
 
 @hookimpl
 def lamina_register_kernels(registry: KernelRegistry) -> None:
-    """The TEMPLATE backend's kernel implementations."""
+    """The template backend's kernel implementations."""
     register_template_kernels(registry, BACKEND_NAME)

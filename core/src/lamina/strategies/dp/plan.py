@@ -42,6 +42,8 @@ class DPPlanInputs:
     #: dtype name -> '' when the codec passed its self-check, else the reason it failed.
     codec_checks: dict[str, str] | None = None
     compile_backend: str | None = None
+    #: The mesh axis (or axes) the gradient all-reduces span.
+    axis: str = "world"
 
 
 def _capture_fallbacks(graph: CapturedGraph) -> list[Fallback]:
@@ -78,6 +80,7 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
             group=inputs.group,
             wire_dtype=dtype_name(wire.wire_dtype) if wire else None,
             wire_element_size=wire.wire_dtype.itemsize if wire else None,
+            axis=inputs.axis,
         )
         names = bucket.param_names
         nodes.append(
@@ -122,8 +125,8 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
     world = len(inputs.group)
     fallbacks = _capture_fallbacks(inputs.graph)
     if world > 1:
-        nodes += broadcast_nodes("setup", inputs.setup_state, inputs.group)
-        for node in broadcast_nodes("forward", inputs.step_buffers, inputs.group):
+        nodes += broadcast_nodes("setup", inputs.setup_state, inputs.group, inputs.axis)
+        for node in broadcast_nodes("forward", inputs.step_buffers, inputs.group, inputs.axis):
             nodes.append(node)
             edges.append((node.id, FORWARD))
     mode = f"compiled:{inputs.compile_backend}" if inputs.compile_backend else "eager"
@@ -192,6 +195,24 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
         "backward",
         f"all-reduce of the gradients of {len(excluded)} parameter(s) unused in the captured "
         "forward, with one used-flag each (every step: any rank may have used them)",
-        CollectiveSpec("all_reduce", dtype, numel, dtype_from_name(dtype).itemsize, inputs.group),
+        CollectiveSpec(
+            "all_reduce",
+            dtype,
+            numel,
+            dtype_from_name(dtype).itemsize,
+            inputs.group,
+            axis=inputs.axis,
+        ),
         attrs(params=len(excluded)),
     )
+
+
+def graph_lines(graph: CapturedGraph) -> tuple[str, ...]:
+    """The pre-flight manifest's ``graph`` category: the capture method, then one line per
+    node (op, target, output shapes and dtypes: what the graph fingerprint hashes; node
+    names and devices are left out)."""
+    nodes = (
+        f"#{i} {n.op} {n.target}: shapes={[list(s) for s in n.shapes]} dtypes={list(n.dtypes)}"
+        for i, n in enumerate(graph.nodes)
+    )
+    return (f"captured by {graph.method}", *nodes)

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lamina.errors import ConfigError
-from lamina.graph.capture import failure_reason
+from lamina.errors import ConfigError, failure_reason
 from lamina.runtime.log import RunLog
 
 

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lamina.units import format_bytes
+
 if TYPE_CHECKING:
-    from lamina.strategies.zero3 import ShardedDataParallel
+    from lamina.strategies.zero3.wrapper import ShardedDataParallel
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,13 @@ class MemoryAccount:
         """A readable table of the measured bytes against the formula."""
         p, g, k = self.param_element_size, self.grad_element_size, self.optimizer_bytes_per_param
         rows = [
-            ("parameters", _mib(self.parameter_bytes), f"{self.parameter_bytes:,} B"),
-            ("gradients", _mib(self.gradient_bytes), f"{self.gradient_bytes:,} B"),
-            ("optimizer state", _mib(self.optimizer_bytes), f"{self.optimizer_bytes:,} B"),
-            ("measured total", _mib(self.measured_total), f"{self.measured_total:,} B"),
+            ("parameters", format_bytes(self.parameter_bytes), f"{self.parameter_bytes:,} B"),
+            ("gradients", format_bytes(self.gradient_bytes), f"{self.gradient_bytes:,} B"),
+            ("optimizer state", format_bytes(self.optimizer_bytes), f"{self.optimizer_bytes:,} B"),
+            ("measured total", format_bytes(self.measured_total), f"{self.measured_total:,} B"),
             (
                 "ZeRO-3 (P+G+K)Psi/N",
-                _mib(self.formula),
+                format_bytes(self.formula),
                 f"({p:g}+{g:g}+{k:g}) x {self.param_count:,} / {self.world_size}",
             ),
             ("measured / formula", f"{self.ratio:.4f}", f"padding {self.padding_fraction:.2%}"),
@@ -83,10 +85,6 @@ class MemoryAccount:
         size = max(len(r[1]) for r in rows)
         head = f"rank {self.rank} of {self.world_size}: model state per rank"
         return "\n".join([head, *(f"{a:<{width}}  {b:>{size}}  {c}" for a, b, c in rows)])
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.3f} MiB"
 
 
 def memory_accounting(

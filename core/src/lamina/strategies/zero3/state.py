@@ -22,7 +22,7 @@ from lamina.memory.layout import ShardLayout
 
 if TYPE_CHECKING:
     from lamina.memory.engine import UnitState
-    from lamina.strategies.zero3 import ShardedDataParallel
+    from lamina.strategies.zero3.wrapper import ShardedDataParallel
 
 #: Key of the shard layout (plain data) in a sharded state dict.
 LAYOUT_KEY = "layout"
@@ -63,10 +63,10 @@ def full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Every parameter (original names and shapes) and buffer of ``model``, on the CPU.
 
-    Gathers every unit, so every rank of the group must call it. With ``rank0_only``
-    (the default) ranks other than 0 of the group get ``{}``.
+    Gathers every unit, so every rank of the job must call it. With ``rank0_only`` (the
+    default) every rank but global rank 0 gets ``{}``.
     """
-    keep = not rank0_only or dist.get_rank(model.group) == 0
+    keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for state, views in _gathered_units(model):
         if not keep:

@@ -12,7 +12,7 @@ others before the first collective; the engine takes its primitives from the pla
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,81 +21,90 @@ from torch import nn
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
-from lamina.memory import state as shard_state
-from lamina.memory.accounting import MemoryAccount, memory_accounting
 from lamina.memory.engine import UnitState, Zero3Engine
 from lamina.memory.gather import Primitive
 from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
-from lamina.runtime import build_zero3 as plan_z3
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
+from lamina.strategies.contract import Placement, PlannedStep
 from lamina.strategies.preflight import before_first_collective
+from lamina.strategies.zero3 import plan as plan_z3
+from lamina.strategies.zero3 import state as shard_state
+from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
+from lamina.strategies.zero3.options import Zero3Options
 from lamina.verify import PreflightReport
+
+if TYPE_CHECKING:
+    from lamina.session import Runtime
 
 
 class ShardedDataParallel(nn.Module):
-    """Wraps ``module`` so that every rank holds 1/N of its trainable parameters.
+    """Wraps ``module`` so that every rank of a shard group holds 1/N of its parameters.
 
-    Units come from the module structure (one per block of the first ModuleList or
-    Sequential; blocks smaller than ``min_unit_numel`` elements are merged; the rest is
-    the root unit). A unit named after one submodule is gathered around that
+    The shard group is the one ``placement`` shards over on ``runtime.mesh`` (every axis
+    by default: the whole job, ZeRO-3); the axes it replicates over (HSDP's ``inter``)
+    hold copies of the shards, and each shard gradient is all-reduced across them after
+    its reduce-scatter. A unit named after one submodule is gathered around that
     submodule's forward and freed after it; the root unit and merged units are gathered
-    for the whole forward. Every unit is gathered again in backward when needed.
-    ``param_dtype`` (e.g. ``torch.bfloat16``) turns on mixed precision: shards and the
-    optimizer stay in their dtype (fp32 master weights), units are gathered and computed
-    in ``param_dtype`` (half the gather bytes), floating inputs are cast to it, and
-    gradients are reduced in the shard's dtype (fp32). ``reshard_after_forward=False``
-    keeps each unit gathered from its forward to its backward (one gather per step
-    instead of two, at the cost of holding the full parameters through the step).
-    ``collectives`` picks the gather / reduce-scatter primitives: ``"native"``
-    (all_gather, reduce_scatter), ``"all_reduce"`` (their all-reduce forms) or
-    ``"auto"`` (all-reduce forms on gloo, where they are faster); ``disable_collectives``
-    (or ``$LAMINA_DISABLE_COLLECTIVES``) forces the alternative for the ops named.
-    ``verify=False`` skips the pre-flight cross-rank check.
+    for the whole forward. Every unit is gathered again in backward when needed. The
+    options are :class:`~lamina.strategies.zero3.options.Zero3Options`.
     """
 
     def __init__(
         self,
         module: nn.Module,
+        runtime: Runtime,
+        placement: Placement | None = None,
+        options: Zero3Options | None = None,
         *,
-        group: dist.ProcessGroup | None = None,
-        alignment_bytes: int = 512,
-        min_unit_numel: int = 1 << 16,
-        param_dtype: torch.dtype | None = None,
-        reshard_after_forward: bool = True,
-        collectives: str = "auto",
-        disable_collectives: tuple[str, ...] = (),
-        verify: bool = True,
+        strategy: str = "zero3",
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise ConfigError("ZeRO-3 needs torch.distributed; call lamina.init() first")
-        self.group = group
-        world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        source = dist.get_global_rank(group, 0) if group is not None else 0
+        options = options or Zero3Options()
+        placement = placement or Placement(shard=runtime.mesh.axis_names)
+        if not placement.shard:
+            raise ConfigError(
+                f"strategy {strategy!r} shards over no mesh axis (placement "
+                f"{placement.describe()}); name at least one axis in shard=, or use 'dp'"
+            )
+        mesh = runtime.mesh
+        self.runtime = runtime
+        self.placement = placement
+        self.group, shard_ranks = mesh.group_over(placement.shard)
+        self.replicate_group: dist.ProcessGroup | None = None
+        replicas: tuple[int, ...] = ()
+        if placement.replicate:
+            self.replicate_group, replicas = mesh.group_over(placement.replicate)
+        world = len(shard_ranks)
+        rank = shard_ranks.index(dist.get_rank())
         self.layout: ShardLayout = build_layout(
             module,
             world,
-            alignment_bytes=alignment_bytes,
-            units=group_units(module, min_unit_numel=min_unit_numel),
+            alignment_bytes=options.alignment_bytes,
+            units=group_units(module, min_unit_numel=options.min_unit_numel),
+        )
+        groups = plan_z3.PlanGroups(
+            shard=shard_ranks,
+            shard_axis=mesh.axes_label(placement.shard),
+            replicate=replicas,
+            replicate_axis=mesh.axes_label(placement.replicate) if replicas else "",
+            everyone=tuple(range(runtime.world_size)),
+            everyone_axis=mesh.axes_label(mesh.axis_names),
         )
         self.execution_plan: ExecutionPlan = _build_plan(
-            module,
-            self.layout,
-            group,
-            param_dtype,
-            reshard_after_forward,
-            collectives,
-            disable_collectives,
+            module, self.layout, runtime, self.group, groups, options, strategy
         )
+        shard_lines = plan_z3.shard_lines(self.layout)
+        planned = PlannedStep(self.execution_plan, (("shards", shard_lines),))
         self.preflight: PreflightReport | None = before_first_collective(
-            self.execution_plan, module, verify=verify, layout=self.layout
+            runtime, planned, module, verify=options.verify
         )
         self.run_log = RunLog(self.execution_plan)
         initial = [*module.parameters(), *module.buffers()]
-        run_broadcast_nodes(self.run_log, "setup", initial, source, group)
+        run_broadcast_nodes(self.run_log, "setup", initial, 0, None)
         places = _places(module)
         gather_op = _gather_primitive(self.execution_plan)
         scatter_op = _scatter_primitive(self.execution_plan)
@@ -112,18 +121,21 @@ class ShardedDataParallel(nn.Module):
                     {n: places[n] for n in named},
                     rank,
                     gather_op,
-                    group,
-                    compute_dtype=param_dtype,
+                    self.group,
+                    compute_dtype=options.param_dtype,
                     scatter_primitive=scatter_op,
                     nodes={
                         "fwd": plan_z3.gather_node(unit.name, "fwd"),
                         "bwd": plan_z3.gather_node(unit.name, "bwd"),
                         "scatter": plan_z3.scatter_node(unit.name),
+                        "replicate": plan_z3.replicate_node(unit.name),
                     },
                     observer=self.run_log,
+                    replicate_group=self.replicate_group,
+                    replicas=len(replicas),
                 )
             )
-        self.param_dtype = param_dtype
+        self.param_dtype = options.param_dtype
         for state in units:
             for module_places in state.places.values():
                 for owner, attr in module_places:
@@ -131,7 +143,7 @@ class ShardedDataParallel(nn.Module):
                         del owner._parameters[attr]
         self.module = module
         self.shards = nn.ParameterList([u.shard for u in units])
-        self.engine = Zero3Engine(units, module, reshard_after_forward)
+        self.engine = Zero3Engine(units, module, options.reshard_after_forward)
         self.engine.observer = self.run_log
         #: Units gathered for the whole forward: the root unit, and merged units that do
         #: not correspond to one submodule.
@@ -229,40 +241,39 @@ class ShardedDataParallel(nn.Module):
 def _build_plan(
     module: nn.Module,
     layout: ShardLayout,
+    runtime: Runtime,
     group: dist.ProcessGroup | None,
-    param_dtype: torch.dtype | None,
-    reshard_after_forward: bool,
-    collectives: str,
-    disable_collectives: tuple[str, ...],
+    groups: plan_z3.PlanGroups,
+    options: Zero3Options,
+    strategy: str,
 ) -> ExecutionPlan:
-    from lamina.session import current
-
-    runtime = current()
     pg_backend = str(dist.get_backend(group))
-    unsupported = runtime.backend.unsupported_collectives if runtime is not None else frozenset()
-    disabled = {*disable_collectives, *disabled_from_env()}
+    unsupported = runtime.backend.unsupported_collectives
+    disabled = {*options.disable_collectives, *disabled_from_env()}
 
     def choice(op: str) -> PrimitiveChoice:
         return choose_primitive(
-            op, pg_backend, mode=collectives, disable=disabled, unsupported=unsupported
+            op, pg_backend, mode=options.collectives, disable=disabled, unsupported=unsupported
         )
 
     whole = frozenset(u.name for u in layout.units if _submodule(module, u.name) is None)
     order = [u.name for u in layout.units if u.name in whole]
     order += [u.name for u in layout.units if u.name not in whole]
+    param_dtype = options.param_dtype
     return plan_z3.build_zero3_plan(
         plan_z3.Zero3PlanInputs(
             layout=layout,
             forward_order=order,
             whole_forward=whole,
-            group=tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
-            backend=runtime.backend.name if runtime is not None else "unknown",
+            groups=groups,
+            backend=runtime.backend.name,
             pg_backend=pg_backend,
             gather=choice("all_gather"),
             scatter=choice("reduce_scatter"),
             setup_state=dtype_totals([*module.parameters(), *module.buffers()]),
             compute_dtype=dtype_name(param_dtype) if param_dtype else None,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=options.reshard_after_forward,
+            strategy=strategy,
         )
     )
 

@@ -1,4 +1,9 @@
-"""The execution plan of one ZeRO-3 step, from the shard layout and the unit order."""
+"""The execution plan of one ZeRO-3 (or HSDP) step, from the shard layout and unit order.
+
+Gathers and reduce-scatters run on the shard group (its mesh axes); with replica axes
+(HSDP) each reduce-scatter is followed by an all-reduce of the shard gradient across
+the replicas; the wrap-time broadcast spans the whole job.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,26 @@ def scatter_node(unit: str) -> str:
     return f"{unit}.reduce_scatter"
 
 
+def replicate_node(unit: str) -> str:
+    """Node id of the all-reduce of ``unit``'s shard gradient across replicas (HSDP)."""
+    return f"{unit}.all_reduce.replicas"
+
+
+@dataclass(frozen=True)
+class PlanGroups:
+    """The groups a sharded step uses: global ranks of this rank's group and axis label.
+
+    ``replicate`` is empty without replica axes (plain ZeRO-3); ``everyone`` is the job.
+    """
+
+    shard: tuple[int, ...]
+    shard_axis: str
+    replicate: tuple[int, ...] = ()
+    replicate_axis: str = ""
+    everyone: tuple[int, ...] = ()
+    everyone_axis: str = "world"
+
+
 @dataclass(frozen=True)
 class Zero3PlanInputs:
     """Everything the ZeRO-3 plan depends on."""
@@ -32,7 +57,7 @@ class Zero3PlanInputs:
     #: Unit names in forward order; ``whole_forward`` ones are gathered for all of it.
     forward_order: Sequence[str]
     whole_forward: frozenset[str]
-    group: tuple[int, ...]
+    groups: PlanGroups
     backend: str
     pg_backend: str
     gather: PrimitiveChoice
@@ -40,17 +65,39 @@ class Zero3PlanInputs:
     setup_state: Sequence[tuple[str, int]]
     compute_dtype: str | None = None
     reshard_after_forward: bool = True
+    strategy: str = "zero3"
 
 
 def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     dtype = inputs.compute_dtype or unit.dtype
     size = dtype_from_name(dtype).itemsize
-    return CollectiveSpec(inputs.gather.op, dtype, unit.total_numel, size, inputs.group)
+    groups = inputs.groups
+    return CollectiveSpec(
+        inputs.gather.op, dtype, unit.total_numel, size, groups.shard, axis=groups.shard_axis
+    )
 
 
 def _scatter_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
+    groups = inputs.groups
     return CollectiveSpec(
-        inputs.scatter.op, unit.dtype, unit.total_numel, unit.element_size, inputs.group
+        inputs.scatter.op,
+        unit.dtype,
+        unit.total_numel,
+        unit.element_size,
+        groups.shard,
+        axis=groups.shard_axis,
+    )
+
+
+def _replicate_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
+    groups = inputs.groups
+    return CollectiveSpec(
+        "all_reduce",
+        unit.dtype,
+        unit.shard_numel,
+        unit.element_size,
+        groups.replicate,
+        axis=groups.replicate_axis,
     )
 
 
@@ -62,9 +109,12 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     nodes: list[PlanNode] = []
     edges: list[tuple[str, str]] = []
     fallbacks: list[Fallback] = []
-    world = len(inputs.group)
+    groups = inputs.groups
+    world = len(groups.everyone) or len(groups.shard)
     if world > 1:
-        nodes += broadcast_nodes("setup", inputs.setup_state, inputs.group)
+        nodes += broadcast_nodes(
+            "setup", inputs.setup_state, groups.everyone or groups.shard, groups.everyone_axis
+        )
     previous = ""
     for unit in order:  # forward
         gather = gather_node(unit.name, "fwd")
@@ -99,9 +149,25 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                 attrs(unit=unit.name, primitive=inputs.scatter.op),
             )
         )
+        edges.append((compute, scatter))
+        done = scatter  # the shard gradient is final after this node
+        if len(groups.replicate) > 1:
+            replicate = replicate_node(unit.name)
+            nodes.append(
+                PlanNode(
+                    replicate,
+                    "collective",
+                    "backward",
+                    f"mean of {unit.name}'s shard gradient across the replicas",
+                    _replicate_spec(inputs, unit),
+                    attrs(unit=unit.name),
+                )
+            )
+            edges.append((scatter, replicate))
+            done = replicate
         free = f"{unit.name}.free.bwd"
         nodes.append(PlanNode(free, "free", "backward", f"free {unit.name} after backward"))
-        edges += [(compute, scatter), (scatter, free), (scatter, OPTIMIZER)]
+        edges += [(done, free), (done, OPTIMIZER)]
         previous = compute
     nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step on the flat shards"))
     for node in nodes:
@@ -112,7 +178,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         elif node.id.endswith(".reduce_scatter"):
             fallbacks.append(_fallback(node.id, inputs.scatter, "all_reduce + slice"))
     return ExecutionPlan(
-        strategy="zero3",
+        strategy=inputs.strategy,
         world_size=world,
         backend=inputs.backend,
         nodes=tuple(nodes),
@@ -124,6 +190,8 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             compute_dtype=inputs.compute_dtype or "shard dtype",
             reshard_after_forward=inputs.reshard_after_forward,
             units=len(order),
+            shard_axis=groups.shard_axis,
+            replicate_axis=groups.replicate_axis or "none",
         ),
     )
 
@@ -149,4 +217,15 @@ def _fallback(node_id: str, choice: PrimitiveChoice, alternative: str) -> Fallba
         f"{choice.requested} disabled, missing on the backend, or slower there",
         taken=choice.fell_back,
         reason=choice.reason,
+    )
+
+
+def shard_lines(layout: ShardLayout) -> tuple[str, ...]:
+    """The pre-flight manifest's ``shards`` category: one line per unit of the layout
+    (sizes, padding, parameters with offsets)."""
+    return tuple(
+        f"unit {u.index} {u.name}: {u.dtype} world_size={u.world_size} "
+        f"align={u.alignment_bytes} total_numel={u.total_numel} shard_numel={u.shard_numel} "
+        f"padding={u.padding} params=[{', '.join(f'{p.name}@{p.offset}' for p in u.params)}]"
+        for u in layout.units
     )

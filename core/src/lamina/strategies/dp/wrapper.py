@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,74 +21,60 @@ from torch import nn
 from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, auto_bucket_cap, plan_buckets
 from lamina.comm.codecs import Codec, get_codec, self_check
 from lamina.comm.reducer import GradientReducer
-from lamina.device.handle import DeviceHandle
 from lamina.errors import ConfigError
-from lamina.graph import CAPTURE_METHODS, CapturedGraph, capture
+from lamina.graph import CapturedGraph, capture
 from lamina.runtime import ExecutionPlan, RunLog
-from lamina.runtime import build_dp as plan_dp
-from lamina.runtime.compiled import CompiledForward, compile_backend_of
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
+from lamina.strategies.contract import Placement, PlannedStep
+from lamina.strategies.dp import plan as plan_dp
+from lamina.strategies.dp.compiled import CompiledForward, compile_backend_of
+from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.preflight import before_first_collective
 from lamina.verify import PreflightReport
+
+if TYPE_CHECKING:
+    from lamina.session import Runtime
 
 
 class DataParallel(nn.Module):
     """Wraps ``module``: same forward, gradients averaged across the data-parallel group.
 
-    ``bucket_cap_mb=None`` sizes buckets automatically (gradient bytes / 8, clamped to
-    1..25 MiB) so that communication overlaps backward; a number fixes the cap.
-    Parameters and buffers are broadcast from the group's first rank at wrap time, and
-    buffers again before every training forward (as torch DDP does), so every rank
-    holds the same model. The wrapped module's ``parameters()`` go to a stock optimizer.
-
-    ``codec`` (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`) compresses
-    fp32 buckets on the wire; ``compile`` (``True`` or a ``torch.compile`` backend name)
-    runs the forward compiled; ``capture_methods`` limits the graph capture paths;
-    ``verify=False`` skips the pre-flight cross-rank check. Each optional path has a
-    declared fallback in :attr:`execution_plan`; :meth:`step_summary` shows those taken.
+    The group is the one ``placement`` replicates over on ``runtime.mesh`` (every axis by
+    default: the whole job). Options are :class:`DataParallelOptions`. Parameters and
+    buffers are broadcast from the first rank at wrap time, and buffers again before every
+    training forward (as torch DDP does), so every rank holds the same model. The wrapped
+    module's ``parameters()`` go to a stock optimizer. Each optional path has a declared
+    fallback in :attr:`execution_plan`; :meth:`step_summary` shows those taken.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        *,
-        group: dist.ProcessGroup | None = None,
-        handle: DeviceHandle | None = None,
-        example_inputs: tuple[Any, ...] | None = None,
-        example_kwargs: dict[str, Any] | None = None,
-        bucket_cap_mb: float | None = None,
-        first_bucket_mb: float = 1.0,
-        alignment_bytes: int = 512,
-        broadcast_buffers: bool = True,
-        strict: bool = False,
-        codec: str | Codec | None = None,
-        compile: bool | str = False,
-        capture_methods: tuple[str, ...] = CAPTURE_METHODS,
-        verify: bool = True,
+        runtime: Runtime,
+        placement: Placement | None = None,
+        options: DataParallelOptions | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
             raise ConfigError(
                 "DataParallel needs torch.distributed; call lamina.init() before distribute()"
             )
-        if (bucket_cap_mb is not None and bucket_cap_mb <= 0) or first_bucket_mb <= 0:
-            raise ConfigError(
-                f"bucket_cap_mb and first_bucket_mb must be > 0, got {bucket_cap_mb} and "
-                f"{first_bucket_mb}"
-            )
+        options = options or DataParallelOptions()
+        placement = placement or Placement(replicate=runtime.mesh.axis_names)
         self.module = module
-        self.group = group
-        self.handle = handle
-        self.broadcast_buffers = broadcast_buffers
-        self._cap_bytes = None if bucket_cap_mb is None else int(bucket_cap_mb * MIB)
-        self._first_bytes = int(first_bucket_mb * MIB)
-        self._alignment = alignment_bytes
-        self._strict = strict
-        self._codec = get_codec(codec)
-        self._compile_backend = compile_backend_of(compile)
-        self._capture_methods = capture_methods
-        self._verify = verify
-        self._source = dist.get_global_rank(group, 0) if group is not None else 0
+        self.runtime = runtime
+        self.options = options
+        self.placement = placement
+        self.group, self._ranks = runtime.mesh.group_over(placement.replicate)
+        self._axis = runtime.mesh.axes_label(placement.replicate)
+        self.handle = runtime.handle
+        self.broadcast_buffers = options.broadcast_buffers
+        cap = options.bucket_cap_mb
+        self._cap_bytes = None if cap is None else int(cap * MIB)
+        self._first_bytes = int(options.first_bucket_mb * MIB)
+        self._codec = get_codec(options.codec)
+        self._compile_backend = compile_backend_of(options.compile)
+        self._source = self._ranks[0]
         self.graph: CapturedGraph | None = None
         self.plan: BucketPlan | None = None
         self.execution_plan: ExecutionPlan | None = None
@@ -96,8 +82,8 @@ class DataParallel(nn.Module):
         self.preflight: PreflightReport | None = None
         self.reducer: GradientReducer | None = None
         self._forward: CompiledForward | None = None
-        if example_inputs is not None or example_kwargs is not None:
-            self.prepare(example_inputs or (), example_kwargs or {})
+        if options.example_inputs is not None or options.example_kwargs is not None:
+            self.prepare(options.example_inputs or (), options.example_kwargs or {})
 
     # -- planning ------------------------------------------------------------------------
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BucketPlan:
@@ -105,7 +91,8 @@ class DataParallel(nn.Module):
         ranks, broadcast rank 0's state and install the reducer."""
         if self.plan is not None:
             return self.plan
-        self.graph = capture(self.module, args, kwargs, methods=self._capture_methods)  # type: ignore[arg-type]
+        methods = self.options.capture_methods
+        self.graph = capture(self.module, args, kwargs, methods=methods)  # type: ignore[arg-type]
         named = dict(self.module.named_parameters())
         specs = [
             ParamSpec(name, tuple(named[name].shape), named[name].dtype)
@@ -118,13 +105,14 @@ class DataParallel(nn.Module):
             self.graph.grad_ready_order(),
             cap_bytes=cap,
             first_bucket_bytes=self._first_bytes,
-            alignment_bytes=self._alignment,
+            alignment_bytes=self.options.alignment_bytes,
             unused=self.graph.unused,
-            strict=self._strict,
+            strict=self.options.strict,
         )
         execution = self._build_execution_plan(self.plan)
+        planned = PlannedStep(execution, (("graph", plan_dp.graph_lines(self.graph)),))
         self.preflight = before_first_collective(
-            execution, self.module, verify=self._verify, graph=self.graph
+            self.runtime, planned, self.module, verify=self.options.verify
         )
         self.execution_plan, self.run_log = execution, RunLog(execution)
         self._broadcast_state("setup")
@@ -146,9 +134,6 @@ class DataParallel(nn.Module):
 
     def _build_execution_plan(self, buckets: BucketPlan) -> ExecutionPlan:
         assert self.graph is not None
-        from lamina.session import current
-
-        runtime = current()
         device = next(self.module.parameters()).device
         checks = {}
         if self._codec is not None:
@@ -158,8 +143,8 @@ class DataParallel(nn.Module):
             plan_dp.DPPlanInputs(
                 graph=self.graph,
                 buckets=buckets,
-                group=tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD)),
-                backend=runtime.backend.name if runtime is not None else "unknown",
+                group=self._ranks,
+                backend=self.runtime.backend.name,
                 pg_backend=str(dist.get_backend(self.group)),
                 setup_state=dtype_totals([*self.module.parameters(), *self.module.buffers()]),
                 step_buffers=dtype_totals(list(self.module.buffers()))
@@ -168,6 +153,7 @@ class DataParallel(nn.Module):
                 codec=self._codec,
                 codec_checks=checks,
                 compile_backend=self._compile_backend,
+                axis=self._axis,
             )
         )
 

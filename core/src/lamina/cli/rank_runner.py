@@ -1,0 +1,102 @@
+"""What each rank of ``lamina plan`` / ``lamina verify`` runs: the user's script, up to
+its first collective.
+
+torchrun starts ``python -m lamina.cli.rank_runner --stop plan|verify [--out DIR] --
+SCRIPT ARGS``. The runner asks lamina to stop there
+(:func:`lamina.strategies.preflight.request_stop`) and runs SCRIPT as ``__main__``; the
+strategy the script wraps its model with plans, then raises
+:class:`~lamina.strategies.preflight.StopBeforeFirstCollective` (after the pre-flight
+check, for ``verify``), which this runner turns into the plan file or the verdict:
+
+- ``plan``: rank 0 writes ``DIR/plan.json``, rank r ``DIR/plan.rank<r>.json``; exit 0;
+- ``verify``: rank 0 prints ``lamina verify: OK: ...``; exit 0; a difference prints one
+  line per rank and exits :data:`VERIFY_FAILED_STATUS`;
+- a script that ends without planning exits :data:`NO_PLAN_STATUS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from lamina.errors import ConfigError, VerificationError
+from lamina.runtime import ExecutionPlan
+from lamina.strategies.preflight import StopBeforeFirstCollective, request_stop
+
+#: Exit status of a ``lamina verify`` rank that found a difference.
+VERIFY_FAILED_STATUS = 3
+#: Exit status of a rank whose script ended without building an execution plan.
+NO_PLAN_STATUS = 4
+
+
+def write_plan(plan: ExecutionPlan, folder: str, rank: int) -> Path:
+    """Write ``plan.json`` (rank 0) or ``plan.rank<N>.json`` into ``folder``."""
+    out = Path(folder)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"plan output folder {folder!r} cannot be created ({exc}); pick a writable folder"
+        ) from None
+    path = out / ("plan.json" if rank == 0 else f"plan.rank{rank}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(plan.to_json() + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lamina.cli.rank_runner")
+    parser.add_argument("--stop", choices=("plan", "verify"), required=True)
+    parser.add_argument("--out", default=None, help="folder for the plan files (plan)")
+    parser.add_argument("script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the script (see the module docstring) and exit with the outcome's status."""
+    args = _parser().parse_args(argv)
+    if args.stop == "plan" and not args.out:
+        _finish(2, "lamina plan: the rank runner needs --out DIR")
+    rank = int(os.environ.get("RANK", "0"))
+    request_stop(args.stop)
+    sys.argv = [args.script, *args.script_args]
+    sys.path.insert(0, str(Path(args.script).resolve().parent))
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    except StopBeforeFirstCollective as stop:
+        if args.stop == "plan":
+            write_plan(stop.plan, args.out, rank)
+        elif rank == 0 and stop.report is not None:
+            print(f"lamina verify: OK: {stop.report.summary()}", flush=True)
+        _finish(0)
+    except VerificationError as exc:
+        _finish(VERIFY_FAILED_STATUS, f"lamina verify: rank {rank}: FAILED: {exc}")
+    _finish(
+        NO_PLAN_STATUS,
+        f"lamina {args.stop}: rank {rank}: the script ended without building an execution "
+        "plan; it must call lamina.distribute(model, ...) and run a forward (or pass "
+        "example_inputs)",
+    )
+
+
+def _finish(status: int, message: str = "") -> NoReturn:
+    """Exit with ``status`` without interpreter teardown: destroying a gloo group while a
+    peer process is already gone can abort (SIGABRT) instead of exiting with the status
+    ``lamina plan`` / ``lamina verify`` report. No collective of the job has run yet, so
+    there is nothing to finish."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main()

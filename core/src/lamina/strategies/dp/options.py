@@ -1,0 +1,57 @@
+"""The options ``lamina.distribute(model, "dp", ...)`` accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lamina.comm.codecs import Codec, get_codec
+from lamina.errors import ConfigError
+from lamina.graph import CAPTURE_METHODS
+from lamina.strategies.contract import StrategyOptions
+from lamina.strategies.dp.compiled import compile_backend_of
+
+
+@dataclass(frozen=True)
+class DataParallelOptions(StrategyOptions):
+    """Data-parallel options, validated on construction.
+
+    ``example_inputs`` / ``example_kwargs`` capture the graph at wrap time (else on the
+    first forward). ``bucket_cap_mb=None`` sizes buckets automatically (gradient bytes /
+    8, clamped to 1..25 MiB) so that communication overlaps backward; a number fixes the
+    cap. ``codec`` (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`)
+    compresses fp32 buckets on the wire; ``compile`` (``True`` or a ``torch.compile``
+    backend name) runs the forward compiled; ``capture_methods`` limits the graph capture
+    paths; ``strict`` refuses parameters the captured forward does not use.
+    """
+
+    example_inputs: tuple[Any, ...] | None = None
+    example_kwargs: dict[str, Any] | None = None
+    bucket_cap_mb: float | None = None
+    first_bucket_mb: float = 1.0
+    alignment_bytes: int = 512
+    broadcast_buffers: bool = True
+    strict: bool = False
+    codec: str | Codec | None = None
+    compile: bool | str = False
+    capture_methods: tuple[str, ...] = CAPTURE_METHODS
+
+    def __post_init__(self) -> None:
+        cap, first = self.bucket_cap_mb, self.first_bucket_mb
+        if (cap is not None and not cap > 0) or not first > 0:
+            raise ConfigError(
+                f"bucket_cap_mb and first_bucket_mb must be > 0, got {cap} and {first}"
+            )
+        if isinstance(self.alignment_bytes, bool) or not (
+            isinstance(self.alignment_bytes, int) and self.alignment_bytes > 0
+        ):
+            raise ConfigError(
+                f"alignment_bytes must be a positive int, got {self.alignment_bytes!r}"
+            )
+        if self.example_inputs is not None and not isinstance(self.example_inputs, tuple):
+            raise ConfigError(
+                f"example_inputs must be a tuple, got {type(self.example_inputs).__name__}; "
+                "pass a single input as (x,)"
+            )
+        get_codec(self.codec)  # a ConfigError naming an unknown codec
+        compile_backend_of(self.compile)  # a ConfigError for a bad compile= value

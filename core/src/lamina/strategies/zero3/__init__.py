@@ -1,0 +1,44 @@
+"""ZeRO-3: ``lamina.distribute(model, "zero3")``, and the engine HSDP places on two axes.
+
+One folder, one strategy: :mod:`.options` (what it accepts), :mod:`.plan` (its execution
+plan from the shard layout), :mod:`.wrapper` (the wrapped model over the memory layer's
+engine), :mod:`.state` (full and DCP state dicts), :mod:`.accounting` (memory against
+the ZeRO-3 formula).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lamina.device.mesh import DeviceMesh
+from lamina.strategies.contract import Placement, Strategy, StrategyOptions
+from lamina.strategies.zero3.options import Zero3Options
+from lamina.strategies.zero3.wrapper import ShardedDataParallel
+
+if TYPE_CHECKING:
+    from lamina.session import Runtime
+
+
+class Zero3Strategy(Strategy):
+    """Shards parameters, gradients and optimizer state over the axes it is placed on;
+    replicates (gradients all-reduced) over the others."""
+
+    name = "zero3"
+    summary = "ZeRO-3: parameters, gradients and optimizer state sharded across ranks"
+    options = Zero3Options
+
+    def default_placement(self, mesh: DeviceMesh) -> Placement:
+        """Shard over every mesh axis (the whole job)."""
+        return Placement(shard=mesh.axis_names)
+
+    def wrap(
+        self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
+    ) -> nn.Module:
+        """A :class:`ShardedDataParallel` sharding over ``placement.shard``."""
+        assert isinstance(options, Zero3Options)
+        return ShardedDataParallel(model, runtime, placement, options, strategy=self.name)
+
+
+__all__ = ["ShardedDataParallel", "Zero3Options", "Zero3Strategy"]

@@ -1,0 +1,58 @@
+"""The options ``lamina.distribute(model, "zero3" | "hsdp", ...)`` accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lamina.errors import ConfigError
+from lamina.runtime.primitives import PRIMITIVE_MODES, REPLACEABLE
+from lamina.strategies.contract import StrategyOptions
+
+
+@dataclass(frozen=True)
+class Zero3Options(StrategyOptions):
+    """Sharded data-parallel options, validated on construction.
+
+    Units come from the module structure: one per block of the first ModuleList or
+    Sequential, blocks smaller than ``min_unit_numel`` elements merged, the rest the root
+    unit. ``param_dtype`` (e.g. ``torch.bfloat16``) turns on mixed precision: shards and
+    the optimizer stay in their dtype (fp32 master weights), units are gathered and
+    computed in ``param_dtype``, gradients reduced in the shard's dtype.
+    ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
+    backward. ``collectives`` picks the gather / reduce-scatter primitives: ``"native"``,
+    ``"all_reduce"`` (their all-reduce forms) or ``"auto"`` (all-reduce forms on gloo,
+    where they are faster); ``disable_collectives`` (or ``$LAMINA_DISABLE_COLLECTIVES``)
+    forces the alternative for the ops named.
+    """
+
+    alignment_bytes: int = 512
+    min_unit_numel: int = 1 << 16
+    param_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    collectives: str = "auto"
+    disable_collectives: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("alignment_bytes", "min_unit_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        if self.alignment_bytes == 0:
+            raise ConfigError("alignment_bytes must be > 0, e.g. 512")
+        dtype = self.param_dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigError(
+                f"param_dtype must be a floating torch dtype such as torch.bfloat16, got {dtype!r}"
+            )
+        if self.collectives not in PRIMITIVE_MODES:
+            raise ConfigError(
+                f"collectives={self.collectives!r} is not one of {list(PRIMITIVE_MODES)}"
+            )
+        unknown = [op for op in self.disable_collectives if op not in REPLACEABLE]
+        if isinstance(self.disable_collectives, str) or unknown:
+            raise ConfigError(
+                f"disable_collectives={self.disable_collectives!r}: give a tuple of "
+                f"{list(REPLACEABLE)}"
+            )
