@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lamina
+from lamina.session import MeshSpec
 
 # the benchmark's GPT is the one the examples train (examples/ is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -82,8 +83,11 @@ def base_parser(description: str, output: str) -> argparse.ArgumentParser:
     return parser
 
 
-def relaunch_under_torchrun(script: str) -> None:
-    """Without a torchrun environment, run ``script`` again on 2 ranks and exit with it."""
+def relaunch_under_torchrun(
+    script: str, nproc: int = 2, env: Mapping[str, str] | None = None
+) -> None:
+    """Without a torchrun environment, run ``script`` again on ``nproc`` ranks (with
+    ``env`` added to the environment) and exit with its status."""
     if "RANK" in os.environ:
         return
     cmd = [
@@ -92,11 +96,11 @@ def relaunch_under_torchrun(script: str) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         script,
         *sys.argv[1:],
     ]
-    sys.exit(subprocess.call(cmd))
+    sys.exit(subprocess.call(cmd, env={**os.environ, **(env or {})}))
 
 
 def run_interleaved(
@@ -104,10 +108,14 @@ def run_interleaved(
     variants: Sequence[str],
     wrap: Wrapper,
     describe: Callable[[str, dict[str, nn.Module]], dict[str, Any]] | None = None,
+    mesh: MeshSpec = "flat",
 ) -> dict[str, dict[str, Any]]:
-    """Time every workload under every variant, interleaved; results from the slowest rank."""
+    """Time every workload under every variant, interleaved; results from the slowest rank.
+
+    ``mesh`` is passed to :func:`lamina.init` (``"topology"``: ``inter`` x ``intra``).
+    """
     torch.set_num_threads(1)
-    runtime = lamina.init()
+    runtime = lamina.init(mesh=mesh)
     results: dict[str, dict[str, Any]] = {}
     for name, (build, make_batch, loss_fn) in workloads(runtime.rank).items():
         if args.only and name not in args.only:
