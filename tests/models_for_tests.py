@@ -136,6 +136,16 @@ def grad_diff(ours: Iterable[torch.Tensor], reference: Iterable[torch.Tensor]) -
     return diff / max(scale, 1e-12)
 
 
+def full_params(sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a ZeRO-3/HSDP wrapper gathered back from its shards (collective:
+    every rank of the shard group calls it)."""
+    out = {}
+    for state in sharded.engine.units:  # type: ignore[union-attr]
+        full = state.gather_master()
+        out.update({k: v.detach().clone() for k, v in state.layout.views(full).items()})
+    return out
+
+
 def shard_grad_diff(sharded: nn.Module, reference: nn.Module, rank: int) -> float:
     """Like :func:`grad_diff` for a ZeRO-3 wrapper: each unit's shard gradient against this
     rank's slice of ``reference``'s gradients laid out as the unit's flat buffer (the

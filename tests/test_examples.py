@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from topologies_for_tests import two_hosts_of_two
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -89,20 +91,7 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_train_gpt_with_hsdp_on_two_hosts_of_two_loss_falls(tmp_path: Path) -> None:
-    topology = {
-        "version": 1,
-        "devices": [
-            {
-                "rank": r,
-                "local_rank": r % 2,
-                "host": f"node-{r // 2}",
-                "device_type": "cpu",
-                "device_index": 0,
-            }
-            for r in range(4)
-        ],
-        "fast_domains": [{"name": "node-0", "ranks": [0, 1]}, {"name": "node-1", "ranks": [2, 3]}],
-    }
+    topology = two_hosts_of_two()
     path = tmp_path / "two_hosts.json"
     path.write_text(json.dumps(topology))
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]

@@ -18,13 +18,20 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
 from lamina.errors import VerificationError
 from lamina.testing import run_ranks
-from models_for_tests import batch, build, differs_from_rank0, loss_of, shard_grad_diff
+from models_for_tests import (
+    batch,
+    build,
+    differs_from_rank0,
+    full_params,
+    loss_of,
+    shard_grad_diff,
+)
+from topologies_for_tests import two_hosts_of_two
 
 pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
 
@@ -42,34 +49,6 @@ PARAM_TOLERANCE = 1e-5
 #: 1e-3. Every other parameter agrees to < 4e-7 at either rate, and the per-step gradient
 #: check above is exact to 1e-6.
 LR = 1e-3
-
-TWO_HOSTS_OF_TWO = {
-    "version": 1,
-    "devices": [
-        {
-            "rank": r,
-            "local_rank": r % 2,
-            "host": f"node-{'ab'[r // 2]}",
-            "device_type": "cpu",
-            "device_index": r % 2,
-        }
-        for r in range(WORLD)
-    ],
-    "links": [
-        {"a": 0, "b": 1, "bandwidth_gbps": 40.0, "latency_us": 1.0, "kind": "shm"},
-        {"a": 2, "b": 3, "bandwidth_gbps": 40.0, "latency_us": 1.0, "kind": "shm"},
-    ],
-    "fast_domains": [{"name": "node-a", "ranks": [0, 1]}, {"name": "node-b", "ranks": [2, 3]}],
-    "default_link": {"bandwidth_gbps": 12.5, "latency_us": 10.0, "kind": "network"},
-}
-
-
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for state in model.engine.units:  # type: ignore[union-attr]
-        full = state.gather_master()
-        out.update({k: v.detach().clone() for k, v in state.layout.views(full).items()})
-    return out
 
 
 def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str, Any]:
@@ -90,7 +69,7 @@ def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str
         for opt in (opt_ours, opt_ddp):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    gathered = _full_params(ours)
+    gathered = full_params(ours)
     diff = max((gathered[n] - p).abs().max().item() for n, p in ddp.module.named_parameters())
     plan = ours.execution_plan  # type: ignore[union-attr]
     collectives_of = {
@@ -132,7 +111,7 @@ def _other_mesh_on_rank_3() -> str:
 @pytest.fixture(scope="module")
 def topology_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("hsdp") / "two_hosts_of_two.json"
-    path.write_text(json.dumps(TWO_HOSTS_OF_TWO))
+    path.write_text(json.dumps(two_hosts_of_two()))
     return str(path)
 
 

@@ -15,6 +15,7 @@ from lamina.device.topology_file import load_topology, save_topology, topology_f
 from lamina.errors import ConfigError, MeshError
 from lamina.session import LaunchEnv
 from lamina.testing import RankFailure, run_ranks
+from topologies_for_tests import two_hosts_of_two
 
 pytestmark = pytest.mark.portable
 
@@ -84,25 +85,7 @@ def test_two_rank_gloo_all_reduce_through_init() -> None:
         assert result["topology_ranks"] == 2 and len(result["hosts"]) == 1  # type: ignore[arg-type]
 
 
-TWO_BY_TWO = {
-    "version": 1,
-    "devices": [
-        {
-            "rank": r,
-            "local_rank": r % 2,
-            "host": f"node-{'ab'[r // 2]}",
-            "device_type": "cpu",
-            "device_index": r % 2,
-        }
-        for r in range(4)
-    ],
-    "links": [
-        {"a": 0, "b": 1, "bandwidth_gbps": 40.0, "latency_us": 1.0, "kind": "shm"},
-        {"a": 2, "b": 3, "bandwidth_gbps": 40.0, "latency_us": 1.0, "kind": "shm"},
-    ],
-    "fast_domains": [{"name": "node-a", "ranks": [0, 1]}, {"name": "node-b", "ranks": [2, 3]}],
-    "default_link": {"bandwidth_gbps": 12.5, "latency_us": 10.0, "kind": "network"},
-}
+TWO_BY_TWO = two_hosts_of_two()
 
 
 def _mesh_from_declared_topology() -> dict[str, object]:

@@ -21,7 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
 from lamina.testing import run_ranks
-from models_for_tests import batch, build, differs_from_rank0, loss_of, shard_grad_diff
+from models_for_tests import (
+    batch,
+    build,
+    differs_from_rank0,
+    full_params,
+    loss_of,
+    shard_grad_diff,
+)
 
 pytestmark = pytest.mark.portable
 
@@ -34,17 +41,8 @@ GRAD_TOLERANCE = 1e-6
 PARAM_TOLERANCE = 1e-5
 
 
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered back from the shards (layout views of the full buffer)."""
-    out = {}
-    for state in model.engine.units:  # type: ignore[union-attr]
-        full = state.gather_master()
-        out.update({k: v.detach().clone() for k, v in state.layout.views(full).items()})
-    return out
-
-
 def _param_diff(ours: nn.Module, ddp: DDP) -> float:
-    gathered = _full_params(ours)
+    gathered = full_params(ours)
     return max((gathered[n] - p).abs().max().item() for n, p in ddp.module.named_parameters())
 
 
@@ -68,7 +66,7 @@ def _compare_with_ddp(
         for opt in (opt_ours, opt_ddp):
             opt.step()
             opt.zero_grad(set_to_none=True)
-    gathered = _full_params(ours)
+    gathered = full_params(ours)
     reference_params = dict(ddp.module.named_parameters())
     engine = ours.engine  # type: ignore[union-attr]
     total = sum(p.numel() for p in ddp.module.parameters())
@@ -89,20 +87,8 @@ def _compare_with_ddp(
     }
 
 
-class OddSized(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(7, 5)
-        self.b = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.b(torch.tanh(self.a(x)))
-        return out
-
-
 def _odd_sized(rank: int) -> dict[str, Any]:
-    torch.manual_seed(rank)
-    initial = OddSized()
+    initial = build("odd", seed=rank)
     ours = lamina.distribute(copy.deepcopy(initial), "zero3")
     ddp = DDP(copy.deepcopy(initial))
     opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
