@@ -84,10 +84,14 @@ def base_parser(description: str, output: str) -> argparse.ArgumentParser:
 
 
 def relaunch_under_torchrun(
-    script: str, nproc: int = 2, env: Mapping[str, str] | None = None
+    script: str,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+    argv: Sequence[str] | None = None,
 ) -> None:
     """Without a torchrun environment, run ``script`` again on ``nproc`` ranks (with
-    ``env`` added to the environment) and exit with its status."""
+    ``env`` added to the environment, and ``argv``, default this process's arguments)
+    and exit with its status."""
     if "RANK" in os.environ:
         return
     cmd = [
@@ -98,7 +102,7 @@ def relaunch_under_torchrun(
         "--nproc-per-node",
         str(nproc),
         script,
-        *sys.argv[1:],
+        *(sys.argv[1:] if argv is None else argv),
     ]
     sys.exit(subprocess.call(cmd, env={**os.environ, **(env or {})}))
 
@@ -109,13 +113,19 @@ def run_interleaved(
     wrap: Wrapper,
     describe: Callable[[str, dict[str, nn.Module]], dict[str, Any]] | None = None,
     mesh: MeshSpec = "flat",
+    backend: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time every workload under every variant, interleaved; results from the slowest rank.
 
-    ``mesh`` is passed to :func:`lamina.init` (``"topology"``: ``inter`` x ``intra``).
+    ``mesh`` and ``backend`` are passed to :func:`lamina.init` (``"topology"``: ``inter``
+    x ``intra``; ``backend`` None: ``$LAMINA_BACKEND``, else the best available). Models
+    and batches live on the runtime's device; off the CPU every step is timed between
+    two device synchronizations (peak memory is then the device's, not the RSS).
     """
     torch.set_num_threads(1)
-    runtime = lamina.init(mesh=mesh)
+    runtime = lamina.init(backend, mesh=mesh)
+    device = runtime.device
+    synchronize = runtime.handle.synchronize if device.type != "cpu" else _no_sync
     results: dict[str, dict[str, Any]] = {}
     for name, (build, make_batch, loss_fn) in workloads(runtime.rank).items():
         if args.only and name not in args.only:
@@ -124,7 +134,7 @@ def run_interleaved(
         opts: dict[str, torch.optim.Optimizer] = {}
         for variant in variants:
             torch.manual_seed(0)
-            models[variant] = wrap(variant, build())
+            models[variant] = wrap(variant, build().to(device))
             opts[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4)
         times: dict[str, list[float]] = {v: [] for v in variants}
         peaks = dict.fromkeys(variants, 0)
@@ -136,12 +146,14 @@ def run_interleaved(
                 dist.barrier()
                 runtime.handle.reset_peak_memory()
                 for _ in range(args.steps):
-                    x, y = make_batch(step)
+                    x, y = (t.to(device) for t in make_batch(step))
                     step += 1
+                    synchronize()
                     start = time.perf_counter()
                     loss_fn(model(x), y).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    synchronize()
                     if round_ > 0:
                         times[variant].append(time.perf_counter() - start)
                 peaks[variant] = max(peaks[variant], runtime.handle.memory_stats().peak or 0)
@@ -157,6 +169,10 @@ def run_interleaved(
             **(describe(name, models) if describe else {}),
         }
     return results
+
+
+def _no_sync() -> None:
+    """On the CPU a step's work is done when its Python returns."""
 
 
 def add_ratios(results: dict[str, dict[str, Any]], pairs: Sequence[tuple[str, str]]) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 import lamina
 from _interleaved import add_ratios, base_parser, relaunch_under_torchrun, report, run_interleaved
 from lamina.session import TOPOLOGY_ENV
-from lamina.strategies.zero3 import ShardedDataParallel
+from lamina.strategies.zero3 import ShardedModule
 from zero3_vs_fsdp2 import fsdp2
 
 VARIANTS = ("hsdp", "fsdp2", "zero3", "limit")
@@ -79,7 +79,7 @@ def declared_topology(hosts: int, ranks_per_host: int) -> dict[str, Any]:
     }
 
 
-def plan_bytes(model: ShardedDataParallel) -> dict[str, int]:
+def plan_bytes(model: ShardedModule) -> dict[str, int]:
     """Bytes of the buffers one step's planned collectives take, by ``op@axis`` (the
     wrap-time broadcast excluded): what this rank sends over each mesh axis, up to the
     algorithm's factor (a ring all-reduce sends 2(n-1)/n of its buffer)."""
@@ -141,8 +141,8 @@ def run(args: argparse.Namespace, topology: dict[str, Any]) -> None:
         out: dict[str, Any] = {"fsdp2_placements": fsdp2_placements(models["fsdp2"])}
         for variant in LAMINA_VARIANTS:
             model = models[variant]
-            assert isinstance(model, ShardedDataParallel)
-            layout = model.layout
+            assert isinstance(model, ShardedModule)
+            layout = model.lamina_layout
             out[f"{variant}_units"] = len(layout.units)
             out[f"{variant}_bytes_per_rank"] = layout.bytes_per_rank()
             out[f"{variant}_shard_world"] = layout.world_size

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # the GPT the examples train (examples/ is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -74,12 +75,47 @@ class OddSized(nn.Module):
         return out
 
 
+class KitchenSink(nn.Module):
+    """Everything a real model does that sharding must get right, at sizes that never
+    divide by 2 or 3 (vocab 19, width 13): an embedding tied to the head, a block called
+    twice (``blocks.0``), a block holding a frozen layer (``blocks.1.1``), a block never
+    called (``blocks.2``) and a root layer never called (``never``), a BatchNorm, and a
+    forward keyword argument (``temperature``) that changes the output."""
+
+    def __init__(self, vocab: int = 19, width: int = 13) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        frozen = nn.Linear(width, width).requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            [
+                nn.Linear(width, width),
+                nn.Sequential(nn.Linear(width, width), frozen),
+                nn.Linear(width, width),
+            ]
+        )
+        self.never = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](self.embed(idx)))
+        h = torch.tanh(self.blocks[0](h))  # the same block again
+        h = torch.tanh(self.blocks[1](h))
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        out: torch.Tensor = self.head(h) / temperature
+        return out
+
+
 def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic (input, target) for model ``name`` at ``step`` on ``rank``."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     if name in ("gpt", "tied"):
         vocab = 64 if name == "gpt" else 20
         idx = torch.randint(0, vocab, (size, 16 if name == "gpt" else 6), generator=gen)
+        return idx, torch.roll(idx, -1, dims=1)
+    if name == "sink":
+        idx = torch.randint(0, 19, (size, 5), generator=gen)
         return idx, torch.roll(idx, -1, dims=1)
     if name == "odd":
         return torch.randn(size, 7, generator=gen), torch.randn(size, 3, generator=gen)
@@ -102,11 +138,12 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "unused": WithUnused,
         "batchnorm": WithBatchNorm,
         "odd": OddSized,
+        "sink": KitchenSink,
     }[name]()
 
 
 def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name in ("gpt", "tied"):
+    if name in ("gpt", "tied", "sink"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     return F.mse_loss(out, target)
 
@@ -137,29 +174,27 @@ def grad_diff(ours: Iterable[torch.Tensor], reference: Iterable[torch.Tensor]) -
 
 
 def full_params(sharded: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of a ZeRO-3/HSDP wrapper gathered back from its shards (collective:
-    every rank of the shard group calls it)."""
-    out = {}
-    for state in sharded.engine.units:  # type: ignore[union-attr]
-        full = state.gather_master()
-        out.update({k: v.detach().clone() for k, v in state.layout.views(full).items()})
-    return out
+    """Every parameter of a ZeRO-3/HSDP model, gathered whole (``DTensor.full_tensor``:
+    collective, every rank calls it), under its own name."""
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in sharded.named_parameters()
+    }
 
 
-def shard_grad_diff(sharded: nn.Module, reference: nn.Module, rank: int) -> float:
-    """Like :func:`grad_diff` for a ZeRO-3 wrapper: each unit's shard gradient against this
-    rank's slice of ``reference``'s gradients laid out as the unit's flat buffer (the
-    layout's gaps and padding get zero gradients on both sides)."""
+def shard_grad_diff(sharded: nn.Module, reference: nn.Module, rank: int = 0) -> float:
+    """Like :func:`grad_diff` for a ZeRO-3/HSDP model: each parameter's gradient, gathered
+    whole from its shards, against ``reference``'s (same names). A parameter without a
+    gradient counts as zeros on either side. Collective: every rank calls it."""
     named = dict(reference.named_parameters())
     diff, scale = 0.0, 0.0
-    for state in sharded.engine.units:  # type: ignore[union-attr]
-        layout = state.layout
-        full = layout.flatten({n: _grad_or_zeros(named[n]) for n in layout.param_names})
-        expected = layout.shard_of(full, rank).float()
-        grad = state.shard.grad
-        got = grad.detach().float() if grad is not None else torch.zeros_like(expected)
-        diff = max(diff, (got - expected).abs().max().item())
-        scale = max(scale, full.float().abs().max().item())
+    for name, param in sharded.named_parameters():
+        grad = param.grad
+        got = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        want = _grad_or_zeros(named[name]).float()
+        got = got.detach().float() if got is not None else torch.zeros_like(want)
+        diff = max(diff, (got - want).abs().max().item())
+        scale = max(scale, want.abs().max().item())
     return diff / max(scale, 1e-12)
 
 

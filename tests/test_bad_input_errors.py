@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 import lamina
 from lamina import session
@@ -25,7 +26,7 @@ from lamina.runtime.primitives import choose_primitive
 from lamina.strategies import Placement
 from lamina.strategies.dp import DataParallel
 from lamina.strategies.dp.compiled import compile_backend_of
-from lamina.strategies.zero3.state import LAYOUT_KEY
+from lamina.strategies.zero3 import shard_module
 from lamina.trace import recorder as rec
 from lamina.trace import watchdog
 
@@ -179,64 +180,67 @@ def test_compile_option_must_be_a_bool_or_a_backend_name(option: Any) -> None:
     assert compile_backend_of(True) == "inductor" and compile_backend_of("eager") == "eager"
 
 
-# -- memory/state.py (ZeRO-3 state dicts) -----------------------------------------------------
+# -- strategies/zero3/wrapper.py (ZeRO-3, and torch's state-dict APIs on its DTensors) ---------
 def _zero3() -> Any:
     lamina.init()
     return lamina.distribute(_net(), "zero3", min_unit_numel=1)
 
 
-def test_full_state_dict_without_a_parameter_names_it() -> None:
+def test_distributing_a_sharded_model_again_says_to_do_it_once() -> None:
     model = _zero3()
-    full = model.full_state_dict(rank0_only=False)
-    del full["2.weight"]
     with pytest.raises(ConfigError) as excinfo:
-        model.load_full_state_dict(full)
+        lamina.distribute(model, "zero3")
     assert _message(excinfo) == (
-        "full state dict has no entry for parameter '2.weight'; pass a state dict of the same model"
+        "this ShardedSequential is already sharded; distribute the model once"
     )
 
 
-def test_full_state_dict_with_an_unknown_entry_names_it() -> None:
-    model = _zero3()
-    full = model.full_state_dict(rank0_only=False)
-    full["head.bias"] = torch.zeros(2)
+def test_zero3_without_init_says_to_call_init() -> None:
+    runtime = lamina.init()
+    lamina.shutdown()  # a runtime kept past shutdown: its process group is gone
+    model = _net()
     with pytest.raises(ConfigError) as excinfo:
-        model.load_full_state_dict(full)
-    assert _message(excinfo) == (
-        "full state dict does not match the model: missing [], unexpected ['head.bias']; "
-        "save and load the same model"
-    )
+        shard_module(model, runtime)
+    assert _message(excinfo) == "ZeRO-3 needs torch.distributed; call lamina.init() first"
+    assert type(model) is nn.Sequential  # left as it was
 
 
-def test_sharded_state_dict_without_its_layout_says_how_to_save_it() -> None:
+def test_full_state_dict_of_another_model_names_the_unexpected_keys() -> None:
     model = _zero3()
-    sharded = model.sharded_state_dict()
-    del sharded[LAYOUT_KEY]
-    with pytest.raises(ConfigError) as excinfo:
-        model.load_sharded_state_dict(sharded)
-    assert _message(excinfo) == (
-        "sharded state dict has no 'layout' entry; save it with sharded_state_dict()"
-    )
+    other = nn.Sequential(*_net(), nn.Linear(2, 2)).state_dict()  # a fourth layer, "3"
+    with pytest.raises(RuntimeError) as excinfo:
+        set_model_state_dict(model, other, options=StateDictOptions(full_state_dict=True))
+    assert 'Unexpected key(s) in state_dict: "3.weight", "3.bias"' in str(excinfo.value)
 
 
-def test_sharded_state_dict_without_a_unit_names_it() -> None:
+def test_full_state_dict_with_a_parameter_of_another_shape_names_it() -> None:
     model = _zero3()
-    sharded = model.sharded_state_dict()
-    unit = next(k for k in sharded if k.startswith("units."))
-    del sharded[unit]
-    with pytest.raises(ConfigError) as excinfo:
-        model.load_sharded_state_dict(sharded)
-    assert _message(excinfo) == f"sharded state dict has no {unit!r}; save the same model"
+    other = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).state_dict()
+    with pytest.raises(RuntimeError) as excinfo:
+        set_model_state_dict(model, other, options=StateDictOptions(full_state_dict=True))
+    message = str(excinfo.value)
+    assert "size mismatch for 2.weight: copying a param with shape torch.Size([3, 8])" in message
 
 
-def test_sharded_state_dict_after_shutdown_says_to_init() -> None:
+def test_load_state_dict_without_a_parameter_names_it() -> None:
     model = _zero3()
-    lamina.shutdown()
-    with pytest.raises(ConfigError) as excinfo:
-        model.sharded_state_dict()
-    assert _message(excinfo) == (
-        "sharded state dicts need torch.distributed; call lamina.init() first"
-    )
+    state = model.state_dict()
+    del state["2.weight"]
+    with pytest.raises(RuntimeError) as excinfo:
+        model.load_state_dict(state, strict=True)
+    assert 'Missing key(s) in state_dict: "2.weight"' in str(excinfo.value)
+
+
+def test_load_state_dict_of_plain_tensors_names_each_parameter() -> None:
+    """As with FSDP2: a full (plain) state dict goes through set_model_state_dict; the
+    module's own load_state_dict takes DTensors and names every parameter it cannot copy."""
+    model = _zero3()
+    with pytest.raises(RuntimeError) as excinfo:
+        model.load_state_dict(_net().state_dict(), strict=True)
+    message = str(excinfo.value)
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert f'While copying the parameter named "{name}"' in message
+    assert "mixed torch.Tensor and DTensor" in message
 
 
 # -- session.py -------------------------------------------------------------------------------

@@ -54,7 +54,8 @@ def test_plan_json_for_two_ranks_zero3() -> None:
     plan = ExecutionPlan.from_dict(json.loads(result.stdout))
     assert plan.strategy == "zero3" and plan.world_size == 2
     ops = [n.collective.op for n in plan.collectives() if n.collective]
-    assert ops[0] == "broadcast" and "all_reduce" in ops  # gloo: all-reduce forms
+    # the wrap-time broadcast, then gloo's forms: a broadcast per rank, all_to_all
+    assert ops[0] == "broadcast" and "all_to_all" in ops and "all_reduce" not in ops
     assert any(f.taken and "gloo" in f.reason for f in plan.fallbacks)
 
 

@@ -52,7 +52,7 @@ import lamina
 from lamina.comm.codecs import Codec
 from lamina.runtime.primitives import DISABLE_ENV
 from lamina.testing import run_ranks
-from models_for_tests import MLP, NeedsFx, NeedsHooks, batch, build, loss_of
+from models_for_tests import MLP, NeedsFx, NeedsHooks, batch, build, full_params, loss_of
 
 pytestmark = pytest.mark.portable
 
@@ -568,10 +568,24 @@ ZERO3_CONFIGS: dict[str, dict[str, Any]] = {
     "auto": {"collectives": "auto"},
     "from_env": {"collectives": "native"},  # run under $LAMINA_DISABLE_COLLECTIVES
 }
+#: What each form does in place of the requested op (the plan's declared alternative).
 ALTERNATIVES = {
-    "reduce_scatter": "all_reduce + slice",
-    "all_gather": "all_reduce of a zero-filled buffer",
+    ("reduce_scatter", "all_reduce"): "all_reduce + slice",
+    ("all_gather", "all_reduce"): "all_reduce of a zero-filled buffer",
+    ("reduce_scatter", "all_to_all"): "all_to_all + local sum",
+    ("all_gather", "broadcast"): "one broadcast per rank",
 }
+#: The engine's name of each op the plan issues.
+ENGINE_PRIMITIVE = {
+    "all_gather": "native",
+    "reduce_scatter": "native",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_to_all": "all_to_all",
+}
+#: The all-reduce forms (every backend), and gloo's faster forms (``collectives="auto"``).
+ALL_REDUCE_FORMS = {"all_gather": "all_reduce", "reduce_scatter": "all_reduce"}
+GLOO_FORMS = {"all_gather": "broadcast", "reduce_scatter": "all_to_all"}
 REPLACEABLE_OPS = ("all_gather", "reduce_scatter")
 DISABLED = "{op} disabled by configuration (LAMINA_DISABLE_COLLECTIVES)"
 
@@ -591,10 +605,7 @@ def _zero3_run(name: str, runtime: Any) -> dict[str, Any]:
         os.environ[DISABLE_ENV] = ""  # CLEAN_ENV's value
     summaries = _train_mlp(wrapped, runtime.rank)
     plan = wrapped.execution_plan
-    full: dict[str, torch.Tensor] = {}
-    for state in wrapped.engine.units:
-        views = state.layout.views(state.gather_master())
-        full.update({k: v.detach().clone() for k, v in views.items()})
+    full = full_params(wrapped)
     steps = [n for n in plan.collectives() if n.phase != "setup"]
     return {
         "ops": {n.id: n.collective.op for n in steps},
@@ -602,7 +613,7 @@ def _zero3_run(name: str, runtime: Any) -> dict[str, Any]:
         "fallbacks": [
             (f.node, f.primary, f.alternative, f.when, f.taken, f.reason) for f in plan.fallbacks
         ],
-        "engine": sorted({(u.primitive, u.scatter_primitive) for u in wrapped.engine.units}),
+        "engine": sorted({(u.primitive, u.scatter_primitive) for u in wrapped.lamina_engine.units}),
         "summary": summaries[-1],
         "issued": dict(wrapped.run_log.current.issued),
         "params": [full[n].flatten().tolist() for n, _ in build("mlp").named_parameters()],
@@ -615,19 +626,27 @@ def zero3_results(results: list[Results]) -> list[dict[str, dict[str, Any]]]:
 
 
 def _check_primitives(
-    run: dict[str, Any], native: dict[str, Any], replaced: set[str], reason: str
+    run: dict[str, Any],
+    native: dict[str, Any],
+    replaced: set[str],
+    reason: str | dict[str, str],
+    forms: dict[str, str] = ALL_REDUCE_FORMS,
 ) -> None:
-    """``run`` issues all_reduce for the ``replaced`` ops (``reason``), the others
+    """``run`` issues ``forms[op]`` for the ``replaced`` ops (``reason``), the others
     natively, runs every planned node, and trains to the native run's parameters (which
     ``test_zero3_native_plan_takes_no_fallback`` compares with DDP's)."""
-    _check_plan(run, native, replaced, reason)
+    _check_plan(run, native, replaced, reason, forms)
     torch.testing.assert_close(_tensors(run["params"]), _tensors(native["params"]), rtol=0, atol=0)
 
 
 def _check_plan(
-    run: dict[str, Any], native: dict[str, Any], replaced: set[str], reason: str
+    run: dict[str, Any],
+    native: dict[str, Any],
+    replaced: set[str],
+    reason: str | dict[str, str],
+    forms: dict[str, str] = ALL_REDUCE_FORMS,
 ) -> None:
-    """The plan, engine and run log of ``run``: all_reduce for the ``replaced`` ops."""
+    """The plan, engine and run log of ``run``: ``forms[op]`` for the ``replaced`` ops."""
     assert run["ops"].keys() == native["ops"].keys()
     requested = {
         n: "reduce_scatter" if n.endswith(".reduce_scatter") else "all_gather"
@@ -635,18 +654,21 @@ def _check_plan(
     }
     assert native["ops"] == requested
     assert sum(op == "reduce_scatter" for op in requested.values()) == 4  # one unit per layer
+    issues = {op: forms[op] if op in replaced else op for op in REPLACEABLE_OPS}
     for node, op in requested.items():
-        expected = "all_reduce" if op in replaced else op
-        assert run["ops"][node] == run["primitives"][node] == expected, node
+        assert run["ops"][node] == run["primitives"][node] == issues[op], node
     assert {f[0] for f in run["fallbacks"]} == set(requested)  # one declared per node
     for node, primary, alternative, when, taken, why in run["fallbacks"]:
-        assert (primary, alternative, when) == (requested[node], ALTERNATIVES[primary], "plan")
+        declared = ALTERNATIVES[primary, forms[primary]]
+        assert (primary, alternative, when) == (requested[node], declared, "plan")
         assert taken == (primary in replaced), node
-        assert why == (reason.format(op=primary) if taken else ""), node
+        said = reason[primary] if isinstance(reason, dict) else reason.format(op=primary)
+        assert why == (said if taken else ""), node
     for op in sorted(replaced):
         count = sum(1 for o in requested.values() if o == op)
-        assert f"{op} -> {ALTERNATIVES[op]} (x{count})" in run["summary"], run["summary"]
-    gather, scatter = ("all_reduce" if op in replaced else "native" for op in REPLACEABLE_OPS)
+        summary = f"{op} -> {ALTERNATIVES[op, forms[op]]} (x{count})"
+        assert summary in run["summary"], run["summary"]
+    gather, scatter = (ENGINE_PRIMITIVE[issues[op]] for op in REPLACEABLE_OPS)
     assert run["engine"] == [(gather, scatter)]  # the engine runs what the plan says
     assert run["issued"].keys() == run["ops"].keys(), run["issued"]  # every node, last step
 
@@ -693,15 +715,30 @@ def test_disabled_all_gather_becomes_all_reduce_of_a_zero_filled_buffer(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_collectives_the_backend_lacks_or_auto_mode_use_their_all_reduce_forms(
+def test_collectives_the_backend_lacks_use_their_all_reduce_forms(
     zero3_results: list[dict[str, dict[str, Any]]],
 ) -> None:
     both = set(REPLACEABLE_OPS)
     for result in zero3_results:
         lacks = "the gloo process group lacks {op}"
         _check_primitives(result["backend_lacks_both"], result["native"], both, lacks)
-        faster = "gloo: all_reduce is faster than {op} (64 MB, 2 ranks: ~75 vs ~140 ms)"
-        _check_primitives(result["auto"], result["native"], both, faster)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_auto_mode_on_gloo_broadcasts_the_gather_and_all_to_alls_the_scatter(
+    zero3_results: list[dict[str, dict[str, Any]]],
+) -> None:
+    reasons = {
+        "all_gather": "gloo: one broadcast per rank is faster than all_gather "
+        "(16 MB, 2 ranks: ~8 vs ~11 ms)",
+        "reduce_scatter": "gloo: all_to_all + local sum is faster than reduce_scatter "
+        "(16 MB, 2 ranks: ~12 vs ~24 ms)",
+    }
+    for result in zero3_results:
+        _check_primitives(
+            result["auto"], result["native"], set(REPLACEABLE_OPS), reasons, GLOO_FORMS
+        )
 
 
 @pytest.mark.multiprocess

@@ -57,7 +57,7 @@ def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str
         copy.deepcopy(initial), "hsdp", collectives=collectives, min_unit_numel=0
     )
     ddp = DDP(copy.deepcopy(initial))
-    intra_rank = dist.get_rank(ours.group)  # type: ignore[arg-type]
+    intra_rank = dist.get_rank(ours.lamina_sharding.group)  # type: ignore[union-attr]
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=LR)
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=LR)
     grad_diffs = []
@@ -77,7 +77,7 @@ def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str
         for n in plan.collectives()
         if n.collective is not None
     }
-    engine = ours.engine  # type: ignore[union-attr]
+    engine = ours.lamina_engine  # type: ignore[union-attr]
     return {
         "started_apart": differs_from_rank0(name, initial),
         "grad_diffs": grad_diffs,

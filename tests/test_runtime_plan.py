@@ -115,7 +115,12 @@ def test_malformed_plans_are_rejected_with_the_field() -> None:
 def test_primitive_choice_and_reasons() -> None:
     assert choose_primitive("reduce_scatter", "nccl").op == "reduce_scatter"
     gloo = choose_primitive("reduce_scatter", "gloo")
-    assert gloo.op == "all_reduce" and "faster" in gloo.reason
+    assert gloo.op == "all_to_all" and "faster" in gloo.reason
+    assert gloo.alternative == "all_to_all + local sum"
+    assert choose_primitive("all_gather", "gloo", group_size=8).op == "broadcast"
+    many = choose_primitive("all_gather", "gloo", group_size=9)
+    assert many.op == "all_reduce" and "9 ranks are too many" in many.reason
+    assert many.alternative == "all_reduce of a zero-filled buffer"
     assert choose_primitive("reduce_scatter", "gloo", mode="native").op == "reduce_scatter"
     off = choose_primitive("all_gather", "nccl", disable={"all_gather"})
     assert off.fell_back and "disabled" in off.reason
@@ -152,7 +157,7 @@ def test_zero3_plan_gathers_and_scatters_every_unit() -> None:
     for name in names:
         gather = plan.node(f"{name}.gather.fwd").collective
         scatter = plan.node(f"{name}.reduce_scatter").collective
-        assert gather is not None and gather.op == "all_reduce" and gather.dtype == "bfloat16"
+        assert gather is not None and gather.op == "broadcast" and gather.dtype == "bfloat16"
         assert scatter is not None and scatter.op == "reduce_scatter" and scatter.dtype == "float32"
     taken = [f for f in plan.fallbacks if f.taken]
     assert taken and all(".gather." in f.node for f in taken)

@@ -1,4 +1,5 @@
-"""Shard layout: equal aligned shards, zero padding, bit-exact gather, JSON, unit grouping."""
+"""Shard layout: rows per rank as DTensor splits them, equal aligned shard buffers, bit-exact
+gather and copy-out, reduce-scatter input with flags, JSON, unit grouping."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from lamina.memory import ROOT_UNIT, ShardLayout, UnitLayout, build_layout, grou
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: torch's CPU allocator aligns every allocation to at least this many bytes
-CPU_ALLOC_ALIGNMENT = 64
 
 
 class Params(nn.Module):
@@ -59,84 +58,118 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _torch_local_shapes(shape: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
+    """The local shapes ``DTensor`` ``Shard(0)`` gives each rank (``torch.chunk`` rows,
+    empty shards for the ranks past the last chunk); a 0-dim tensor is replicated."""
+    if not shape:
+        return [()] * world
+    chunks = [tuple(c.shape) for c in torch.empty(shape).chunk(world, 0)]
+    return chunks + [(0, *shape[1:])] * (world - len(chunks))
+
+
 @settings(max_examples=300, deadline=None)
 @given(specs=param_specs, world=world_sizes, alignment=alignments)
 def test_shards_are_equal_sized_aligned_and_tile_the_buffer(
     specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int
 ) -> None:
+    """Every rank's shard buffer has the same aligned size; each parameter's chunk is
+    ``ceil(dim0 / W)`` rows at a fixed offset, chunks follow each other, and the local
+    shards have exactly the shapes DTensor's ``Shard(0)`` gives each rank."""
     _, layout = _layout(specs, world, alignment)
     assert sorted(layout.param_names) == sorted(f"p{i}" for i in range(len(specs)))
-    align = layout.alignment_bytes
     for unit in layout.units:
         assert unit.total_numel == unit.shard_numel * world
-        ranges = [unit.shard_range(r) for r in range(world)]
-        assert all(end - start == unit.shard_numel for start, end in ranges)
-        assert [s for s, _ in ranges] == [r * unit.shard_numel for r in range(world)]
-        assert all((start * unit.element_size) % align == 0 for start, _ in ranges)
-        assert unit.shard_numel * unit.element_size % align == 0
-        # minimal padding: one more aligned block per rank would already be too much
-        assert unit.padding < world * (align // unit.element_size) or unit.used_numel == 0
+        assert unit.shard_numel * unit.element_size % layout.alignment_bytes == 0
+        cursor = 0
         for p in unit.params:
-            assert p.numel == math.prod(p.shape)
-            assert p.numel == 0 or (p.offset * unit.element_size) % align == 0
-        ends = [p.end for p in unit.params]
-        assert all(a <= b.offset for a, b in zip(ends, unit.params[1:], strict=False))
+            assert p.offset == cursor and p.numel == math.prod(p.shape)
+            assert p.rows == (1 if not p.shape else -(-p.shape[0] // world))
+            cursor += p.chunk
+            assert [p.local_shape(r) for r in range(world)] == _torch_local_shapes(p.shape, world)
+        assert unit.flag_offset == cursor
+        # room for one used-flag per parameter, and no more padding than alignment needs
+        slack = unit.shard_numel - cursor - len(unit.params)
+        assert 0 <= slack < layout.alignment_bytes // unit.element_size
     assert layout.bytes_per_rank() == sum(u.shard_numel * u.element_size for u in layout.units)
 
 
 @settings(max_examples=300, deadline=None)
 @given(specs=param_specs, world=world_sizes, alignment=alignments, seed=st.integers(0, 2**31 - 1))
-@example(  # zero-size and 0-dim parameters, a unit split by dtype, no padding needed
+@example(  # zero-size and 0-dim parameters, a unit split by dtype, fewer rows than ranks
     specs=[
         ((0, 3), torch.float32),
         ((), torch.bfloat16),
         ((4,), torch.float32),
-        ((0,), torch.float16),
+        ((1, 2), torch.float16),
     ],
-    world=1,
+    world=3,
     alignment=4,
     seed=3,
 )
 def test_padding_is_zero_and_gathered_shards_reproduce_parameters_bit_exactly(
     specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int, seed: int
 ) -> None:
+    """Each rank's shard buffer holds its rows (bit-exact, NaNs and all) and zeros
+    elsewhere; what an all-gather hands back, copied out, gives every parameter back."""
     model, layout = _layout(specs, world, alignment, seed)
     params = dict(model.named_parameters())
     for unit in layout.units:
-        flat = unit.flatten(params)
-        assert flat.dtype == unit.torch_dtype and flat.shape == (unit.total_numel,)
-        covered = torch.zeros(unit.total_numel, dtype=torch.bool)
-        for p in unit.params:
-            covered[p.offset : p.end] = True
-        assert not _raw(flat[~covered]).any(), "gaps and padding must be zero bytes"
-        shards = [unit.shard_of(flat, r) for r in range(world)]
-        if unit.shard_numel and flat.data_ptr():
-            assert flat.data_ptr() % CPU_ALLOC_ALIGNMENT == 0
-            for shard in shards:
-                assert (shard.data_ptr() - flat.data_ptr()) % layout.alignment_bytes == 0
-        # what an all-gather of the per-rank shards hands back
-        gathered = torch.cat([s.clone() for s in shards])
-        views = unit.views(gathered)
-        for name, view in views.items():
+        shards = [unit.shard_of(params, r) for r in range(world)]
+        for rank, shard in enumerate(shards):
+            assert shard.dtype == unit.torch_dtype and shard.shape == (unit.shard_numel,)
+            covered = torch.zeros(unit.shard_numel, dtype=torch.bool)
+            locals_ = unit.local_views(shard, rank)
+            for p in unit.params:
+                covered[p.offset : p.offset + p.local_numel(rank)] = True
+                rows = params[p.name] if p.replicated else params[p.name].chunk(world, 0)
+                expected = rows if p.replicated or rank >= len(rows) else rows[rank]
+                if not p.replicated and rank >= len(rows):
+                    expected = params[p.name][:0]
+                assert torch.equal(_raw(locals_[p.name]), _raw(expected))
+            assert not _raw(shard[~covered]).any(), "row padding and flags must be zero"
+        gathered = torch.cat([s.clone() for s in shards])  # an all-gather's result
+        unsharded = unit.copy_out(
+            gathered, torch.empty(unit.unsharded_numel, dtype=unit.torch_dtype)
+        )
+        for name, view in unit.views(unsharded).items():
             assert view.shape == params[name].shape and view.dtype == params[name].dtype
             assert torch.equal(_raw(view), _raw(params[name]))
 
 
 @settings(max_examples=100, deadline=None)
-@given(specs=param_specs, world=world_sizes, alignment=alignments)
-def test_rank_pieces_cover_every_parameter_element_once(
-    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int
+@given(specs=param_specs, world=world_sizes, alignment=alignments, seed=st.integers(0, 2**31 - 1))
+def test_reduce_scatter_input_gives_each_rank_its_rows_of_the_sum_and_every_flag(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], world: int, alignment: int, seed: int
 ) -> None:
-    _, layout = _layout(specs, world, alignment)
+    """Summing every rank's scatter input slot by slot (what a reduce-scatter does) leaves
+    each rank its rows of the summed gradients and, in every slot, the number of ranks
+    that used each parameter; a replicated parameter's sum reaches every rank."""
+    _, layout = _layout(specs, world, alignment, seed)
+    gen = torch.Generator().manual_seed(seed)
     for unit in layout.units:
-        seen = {p.name: [0] * p.numel for p in unit.params}
+        grads = [
+            {p.name: torch.randint(-8, 8, p.shape, generator=gen).float() for p in unit.params}
+            for _ in range(world)
+        ]
+        used = [
+            [bool((r + k) % 2) or r == 0 for k in range(len(unit.params))] for r in range(world)
+        ]
+        total = torch.zeros(unit.total_numel)
         for rank in range(world):
-            for piece in unit.pieces(rank):
-                assert piece.shard_start >= 0
-                assert piece.shard_start + piece.numel <= unit.shard_numel
-                for i in range(piece.param_start, piece.param_start + piece.numel):
-                    seen[piece.name][i] += 1
-        assert all(c == 1 for counts in seen.values() for c in counts)
+            grad = torch.zeros(unit.unsharded_numel)
+            for name, view in unit.views(grad).items():
+                view.copy_(grads[rank][name])
+            total += unit.scatter_input(grad, torch.tensor(used[rank], dtype=torch.float32))
+        slots = total.view(world, unit.shard_numel)
+        for rank in range(world):
+            locals_ = unit.local_views(slots[rank].contiguous(), rank)
+            for p in unit.params:
+                summed = sum(g[p.name] for g in grads)
+                rows = summed.reshape(p.shape)
+                expected = rows if p.replicated else rows[rank * p.rows : rank * p.rows + p.rows]
+                assert torch.equal(locals_[p.name], expected.reshape(p.local_shape(rank)))
+            flags = slots[rank, unit.flag_offset : unit.flag_offset + len(unit.params)]
+            assert flags.tolist() == [sum(u[k] for u in used) for k in range(len(unit.params))]
 
 
 @settings(max_examples=100, deadline=None)
@@ -155,26 +188,29 @@ def test_layout_json_round_trip_and_fingerprint_are_stable(
     assert other.fingerprint() != layout.fingerprint()
 
 
-def test_flatten_into_a_given_buffer_clears_stale_padding() -> None:
+def test_shard_of_into_a_given_buffer_clears_stale_padding() -> None:
     model = Params([((3,), torch.float32), ((2, 2), torch.float32)], seed=1)
     (unit,) = build_layout(model, 3, alignment_bytes=16).units
-    out = torch.full((unit.total_numel,), 7.0)
-    flat = unit.flatten(dict(model.named_parameters()), out=out)
-    assert flat is out
-    assert [p.offset for p in unit.params] == [0, 4]
-    assert unit.total_numel == 12 and unit.shard_numel == 4 and unit.padding == 4
-    assert out[3].item() == 0 and not out[8:].any()
-    with pytest.raises(ConfigError, match="1-D float32 tensor of 12 elements"):
-        unit.flatten(dict(model.named_parameters()), out=torch.zeros(11))
+    assert [(p.offset, p.rows) for p in unit.params] == [(0, 1), (1, 1)]
+    assert unit.shard_numel == 8  # 1 + 2 elements of rows, 2 flags, rounded up to 16 bytes
+    out = torch.full((unit.shard_numel,), 7.0)
+    shard = unit.shard_of(dict(model.named_parameters()), 2, out=out)
+    assert shard is out
+    # rank 2: p0's third element; p1 has two rows, none for rank 2
+    assert out[0].item() == model.p0[2].item() and not out[1:].any()
+    with pytest.raises(ConfigError, match="1-D tensor of 8 elements"):
+        unit.shard_of(dict(model.named_parameters()), 0, out=torch.zeros(11))
 
 
-def test_flatten_rejects_missing_or_misshapen_tensors() -> None:
+def test_shard_of_rejects_missing_or_misshapen_tensors() -> None:
     model = Params([((3,), torch.float32), ((2,), torch.float32)], seed=1)
     (unit,) = build_layout(model, 2).units
     with pytest.raises(ConfigError, match=r"no tensor given for parameters \['p1'\]"):
-        unit.flatten({"p0": torch.zeros(3)})
+        unit.shard_of({"p0": torch.zeros(3)}, 0)
     with pytest.raises(ConfigError, match="'p1' has shape"):
-        unit.flatten({"p0": torch.zeros(3), "p1": torch.zeros(5)})
+        unit.shard_of({"p0": torch.zeros(3), "p1": torch.zeros(5)}, 0)
+    with pytest.raises(ConfigError, match="outside world size"):
+        unit.shard_of(dict(model.named_parameters()), 2)
 
 
 class Block(nn.Module):
@@ -283,22 +319,26 @@ def test_bad_settings_are_one_line_config_errors(kwargs: dict[str, object], mess
 def test_inconsistent_layout_json_is_rejected() -> None:
     layout = build_layout(TinyGPT(), 2, units=[("u", ["blocks.0.ln.weight"])])
     data = layout.to_json()
-    data["units"][0]["total_numel"] += 1
-    with pytest.raises(ConfigError, match="does not split into 2 aligned shards"):
+    data["units"][0]["shard_numel"] += 1
+    with pytest.raises(ConfigError, match="does not hold its chunks and flags"):
         ShardLayout.from_json(data)
     data = layout.to_json()
     data["units"][0]["params"][0]["offset"] = 3
-    with pytest.raises(ConfigError, match="bad offset or size"):
+    with pytest.raises(ConfigError, match="bad offset or row split"):
+        ShardLayout.from_json(data)
+    data = layout.to_json()
+    data["units"][0]["params"][0]["rows"] = 16
+    with pytest.raises(ConfigError, match="bad offset or row split"):
         ShardLayout.from_json(data)
     with pytest.raises(ConfigError, match="malformed"):
-        ShardLayout.from_json({"version": 1, "units": [{}]})
+        ShardLayout.from_json({"version": 2, "units": [{}]})
     with pytest.raises(ConfigError, match="version"):
         ShardLayout.from_json({"units": []})
-    with pytest.raises(ConfigError, match="outside world size"):
-        layout.units[0].shard_range(2)
 
 
 def test_unit_pack_needs_no_model() -> None:
     unit = UnitLayout.pack(0, "u", torch.bfloat16, [("w", (5, 3)), ("b", (5,))], 4, 64)
-    assert [p.offset for p in unit.params] == [0, 32]
-    assert unit.shard_numel == 32 and unit.padding == 128 - 37
+    # 2 rows per rank of each: w 6 elements, b 2, then 2 flags, rounded to 32 bf16
+    assert [(p.offset, p.rows, p.full_offset) for p in unit.params] == [(0, 2, 0), (6, 2, 24)]
+    assert unit.shard_numel == 32 and unit.unsharded_numel == 32
+    assert unit.padding == 128 - 20 and unit.param_numel == 20

@@ -1,18 +1,35 @@
-"""The ZeRO-3 engine: sharded flat parameters gathered per unit just in time.
+"""The ZeRO-3 engine: units of row-sharded parameters, gathered just in time.
 
-Each unit (a transformer block, the remaining root parameters) owns one flat shard per
-rank: an ``nn.Parameter`` that the optimizer sees. Before a unit's forward its shards
-are gathered into a full flat buffer (the next unit's gather is started asynchronously
-right after), the module attributes become views of that buffer, and after the forward
-the buffer is dropped. Autograd keeps no reference to it: a saved-tensor hook replaces
-every saved view of a unit buffer by a token, and when backward needs it the unit is
-gathered again (prefetching the unit before it). The gather's backward reduce-scatters
-the full gradient straight into the shard's gradient and drops the buffer again.
+Each unit owns one flat shard buffer per rank (see :mod:`lamina.memory.layout`); the
+model's parameters are views of it, so the optimizer updates it in place. Before a
+unit's forward the shard buffers are gathered into the unsharded buffer (the next
+unit's gather is started asynchronously right after) and the module's parameters are
+replaced by views of it for the forward; afterwards the buffer is dropped and the module
+holds its sharded parameters again. How the unsharded buffer is filled depends on the
+primitive: ``all_gather_into_tensor`` (on gloo, one broadcast per rank) gives the
+rank-major gathered buffer, copied out in one fused copy; the all-reduce form sums
+buffers that already have the unsharded layout (each rank's rows in place, zeros
+elsewhere), so nothing is copied out; with one rank the shard buffer itself (or its cast
+to the compute dtype) is the unsharded buffer.
+Autograd keeps no reference to the buffer: a saved-tensor hook replaces every saved view
+by a token, and when backward needs it the unit is gathered again (prefetching the unit
+before it).
+
+The gather is one autograd function with one output per parameter (the views), so its
+backward receives each parameter's gradient, or None for a parameter autograd did not
+reach. It lays them out rank-major in one fused copy, with one used-flag per parameter,
+and starts the reduce-scatter asynchronously, on the communication stream where the
+device has one; backward goes on with the units before it. When the next unit starts
+its reduce-scatter (at the latest when backward ends) the earlier one is waited for,
+averaged (and, with replicas, all-reduced across them), and each parameter some rank
+used gets its shard of the gradient; a parameter no rank used keeps ``grad=None``, so
+the optimizer leaves it exactly as it is. A unit called more than once in a forward
+stays gathered until its last backward and sums its gradients into one reduce-scatter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,7 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lamina.memory.gather import Primitive, gather_full, reduce_scatter_mean
+from lamina.device.handle import DeviceHandle, Stream
+from lamina.memory.gather import (
+    AllWorks,
+    Primitive,
+    gather_full,
+    gather_unsharded,
+    reduce_scatter_start,
+)
 from lamina.memory.layout import UnitLayout
 
 
@@ -38,31 +62,63 @@ class GatherObserver(Protocol):
         """Backward's computation ended."""
 
 
+#: Makes a parameter's gradient from a local tensor (the wrapper builds the DTensor).
+GradMaker = Callable[[nn.Parameter, torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class UnitState:
     """Run-time state of one unit on this rank."""
 
     layout: UnitLayout
-    shard: nn.Parameter
+    #: This rank's shard buffer (the parameters' local shards are views of it).
+    shard: torch.Tensor
+    #: The model's (sharded) parameters of the unit, by name.
+    params: dict[str, nn.Parameter]
     #: (module, attribute) places where each parameter lives, by parameter name.
     places: dict[str, list[tuple[nn.Module, str]]]
     rank: int
     primitive: Primitive
     group: dist.ProcessGroup | None
+    #: Turns a local gradient into the parameter's ``.grad`` (a DTensor like the param).
+    make_grad: GradMaker
     #: Dtype of the gathered parameters (mixed precision); None: the shard's dtype.
     compute_dtype: torch.dtype | None = None
     #: Primitive of the gradient reduce-scatter (None: ``primitive``).
     scatter_primitive: Primitive | None = None
-    #: Plan node ids: ``{"fwd": ..., "bwd": ..., "scatter": ...}`` and who hears them.
+    #: Plan node ids: ``{"fwd", "bwd", "scatter", "replicate"}`` and who hears them.
     nodes: dict[str, str] = field(default_factory=dict)
     observer: GatherObserver | None = None
     #: Group of the replicas of this shard (HSDP's slow axis; None: no replicas), and
     #: their number: the shard gradient is averaged across them after the reduce-scatter.
     replicate_group: dist.ProcessGroup | None = None
     replicas: int = 1
+    #: The unsharded buffer while the unit is gathered.
     full: torch.Tensor | None = None
+    #: The gather in flight: (buffer, work, event, source, whether the buffer is laid
+    #: out unsharded already).
     pending: Any = None
-    gathers: int = field(default=0)
+    gathers: int = 0
+    #: The reduce-scatter in flight: (work, result getter, its input).
+    scattering: Any = None
+    #: Calls of the unit in this forward whose backward has not run yet: a unit called
+    #: twice stays gathered, and sums its gradients, until the last of them.
+    open_calls: int = 0
+    #: Gradients (reduce-scatter input) summed over the backwards run so far, while
+    #: ``open_calls`` is not zero.
+    pending_grads: torch.Tensor | None = None
+    #: Kept gathered from its forward to its backward even when the engine reshards
+    #: after forward (the plan has no backward gather for it).
+    keep_for_backward: bool = False
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """A leaf that requires grad, so the gather is part of the autograd graph."""
+        anchor: torch.Tensor | None = getattr(self, "_anchor", None)
+        if anchor is None:
+            anchor = torch.zeros(0, device=self.shard.device, requires_grad=True)
+            object.__setattr__(self, "_anchor", anchor)
+        return anchor
 
     def traced(self, role: str) -> AbstractContextManager[Any]:
         """Context around issuing this unit's ``role`` collective ("fwd", "bwd",
@@ -72,133 +128,287 @@ class UnitState:
             return nullcontext(None)
         return self.observer.collective(self.nodes.get(role, f"{self.layout.name}.{role}"))
 
-    def start_gather(self, phase: str = "fwd") -> None:
-        """Begin gathering the full buffer (asynchronously where the backend allows);
+    def start_gather(self, phase: str = "fwd", streams: CommStreams | None = None) -> None:
+        """Begin gathering the shard buffers (asynchronously where the backend allows);
         ``phase`` ("fwd"/"bwd") names the plan node it serves."""
         if self.full is not None or self.pending is not None:
             return
         dtype = self.compute_dtype or self.shard.dtype
-        buffer = torch.empty(self.layout.total_numel, dtype=dtype, device=self.shard.device)
+        layout = self.layout
         with torch.no_grad():
             source = self.shard.detach().to(dtype)  # mixed precision: gather fewer bytes
-            with self.traced(phase) as handle:
-                work = gather_full(
-                    source, buffer, self.rank, self.primitive, self.group, async_op=True
-                )
-                if handle is not None:
-                    handle.work = work
-        self.pending = (buffer, work)
+            if layout.world_size == 1:  # the shard (or its cast) is the unsharded buffer
+                unsharded = source.narrow(0, 0, layout.flag_offset)
+                self.pending = (unsharded, None, None, source, True)
+            else:
+                # the all-reduce form sums buffers already laid out unsharded
+                in_place = self.primitive == "all_reduce"
+                buffer = torch.empty(layout.total_numel, dtype=dtype, device=source.device)
+                _ready_for_comm(streams)  # the shards the optimizer wrote, on compute
+                work: dist.Work | AllWorks | None
+                with _on(streams), self.traced(phase) as handle:
+                    if in_place:
+                        work = gather_unsharded(source, buffer, layout, self.rank, self.group)
+                    else:
+                        work = gather_full(
+                            source, buffer, self.rank, self.primitive, self.group, async_op=True
+                        )
+                    if handle is not None:
+                        handle.work = work
+                # ``source`` lives until the gather is waited for: on a device the comm
+                # stream may still read it after this call returns
+                self.pending = (buffer, work, _record(streams), source, in_place)
         self.gathers += 1
 
-    def wait_gather(self, phase: str = "fwd") -> torch.Tensor:
-        """The full buffer, gathering now if no gather is in flight."""
+    def wait_gather(self, phase: str = "fwd", streams: CommStreams | None = None) -> torch.Tensor:
+        """The unsharded buffer, gathering now if no gather is in flight."""
         if self.full is None:
-            self.start_gather(phase)
-            buffer, work = self.pending
+            self.start_gather(phase, streams)
+            buffer, work, event, _source, in_place = self.pending
             if work is not None:
                 work.wait()
-            self.full, self.pending = buffer, None
+            _wait(streams, event)
+            self.pending = None
+            layout = self.layout
+            if in_place:
+                self.full = buffer.narrow(0, 0, layout.unsharded_numel)
+            else:
+                with torch.no_grad():
+                    unsharded = torch.empty(
+                        layout.unsharded_numel, dtype=buffer.dtype, device=buffer.device
+                    )
+                    self.full = layout.copy_out(buffer, unsharded)
         return self.full
 
     def gather_master(self) -> torch.Tensor:
-        """The full buffer in the shard's own dtype (fp32 master weights under mixed
+        """The unsharded buffer in the shard's own dtype (fp32 master weights under mixed
         precision), gathered now, apart from the buffer forward and backward use."""
-        buffer = torch.empty(
-            self.layout.total_numel, dtype=self.shard.dtype, device=self.shard.device
-        )
+        layout = self.layout
+        gathered = torch.empty(layout.total_numel, dtype=self.shard.dtype, device=self.shard.device)
         with torch.no_grad():
-            gather_full(self.shard.detach(), buffer, self.rank, self.primitive, self.group)
-        return buffer
-
-    def views(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The parameters as views of the full buffer ``full`` (any dtype)."""
-        return {p.name: full[p.offset : p.end].view(p.shape) for p in self.layout.params}
+            gather_full(self.shard.detach(), gathered, self.rank, self.primitive, self.group)
+            unsharded = torch.empty(
+                layout.unsharded_numel, dtype=self.shard.dtype, device=self.shard.device
+            )
+            return layout.copy_out(gathered, unsharded)
 
     def release(self) -> None:
-        """Drop the full buffer and any gather still in flight (finished first, so that
-        every rank completes the same collectives)."""
+        """Drop the unsharded buffer and any gather still in flight (finished first, so
+        that every rank completes the same collectives)."""
         if self.pending is not None:
-            _buffer, work = self.pending
+            _buffer, work, _event, _source, _in_place = self.pending
             if work is not None:
                 work.wait()
             self.pending = None
         self.full = None
 
+    # -- gradients ------------------------------------------------------------------------
+    def add_gradients(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The reduce-scatter input of ``grads`` (in parameter order; None for a parameter
+        autograd did not reach), in the shard's dtype, with one used-flag per parameter,
+        summed with the gradients of the unit's earlier calls in this backward."""
+        flags = torch.tensor(
+            [g is not None for g in grads], dtype=self.shard.dtype, device=self.shard.device
+        )
+        scatter_in = self.layout.scatter_input_of(grads, flags)
+        if self.pending_grads is not None:
+            scatter_in.add_(self.pending_grads)
+            self.pending_grads = None
+        return scatter_in
+
+    def start_scatter(self, scatter_in: torch.Tensor, streams: CommStreams | None) -> None:
+        """Start the reduce-scatter of ``scatter_in`` (from :meth:`add_gradients`)
+        asynchronously, on the communication stream where there is one."""
+        primitive = self.scatter_primitive or self.primitive
+        _ready_for_comm(streams)
+        with _on(streams), self.traced("scatter") as handle:
+            work, result = reduce_scatter_start(
+                scatter_in, self.rank, self.layout.world_size, primitive, self.group
+            )
+            if handle is not None:
+                handle.work = work
+        self.scattering = (work, result, scatter_in)  # the input lives until waited for
+
+    def flush_scatter(self, streams: CommStreams | None) -> None:
+        """At the end of backward: start the reduce-scatter of gradients still summed here
+        (a call of the unit never got its backward), then finish it."""
+        self.open_calls = 0
+        if self.pending_grads is not None:
+            grads, self.pending_grads = self.pending_grads, None
+            self.start_scatter(grads, streams)
+        self.finish_scatter(streams)
+
+    def finish_scatter(self, streams: CommStreams | None) -> None:
+        """Wait for the reduce-scatter in flight (if any), average (across replicas too)
+        and set the gradient of every parameter some rank used."""
+        if self.scattering is None:
+            return
+        work, result, _scatter_in = self.scattering
+        self.scattering = None
+        if work is not None:
+            work.wait()
+        _wait_comm(streams)
+        shard_grad: torch.Tensor = result()  # the mean over the shard group
+        if self.replicas > 1:  # HSDP: the same shard on every replica, averaged across them
+            shard_grad.div_(self.replicas)
+            with self.traced("replicate"):
+                dist.all_reduce(shard_grad, group=self.replicate_group)
+        layout = self.layout
+        flags = shard_grad[layout.flag_offset : layout.flag_offset + len(layout.params)]
+        used = (flags > 0).tolist()
+        locals_ = layout.local_views(shard_grad, self.rank)
+        for k, p in enumerate(layout.params):
+            if not used[k]:
+                continue  # no rank used it: grad stays as it was (None), as under DDP
+            param = self.params[p.name]
+            local = locals_[p.name]
+            if param.grad is None:
+                param.grad = self.make_grad(param, local)
+            else:
+                _local_of(param.grad).add_(local)
+
 
 class _GatherUnit(torch.autograd.Function):
-    """shard -> full buffer; backward: full gradient -> this rank's mean shard gradient."""
+    """anchor -> the unit's parameters as views of its unsharded buffer (one output
+    each); backward: start the unit's reduce-scatter of their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: UnitState) -> torch.Tensor:  # type: ignore[override]
-        ctx.unit = unit
-        full = unit.wait_gather()
-        return full.view_as(full)
+    def forward(
+        ctx: Any, anchor: torch.Tensor, unit: UnitState, engine: Zero3Engine
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.unit, ctx.engine = unit, engine
+        ctx.set_materialize_grads(False)  # None: autograd did not reach that parameter
+        full = unit.wait_gather("fwd", engine.streams)
+        return tuple(unit.layout.views(full).values())
 
     @staticmethod
-    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:  # type: ignore[override]
         unit: UnitState = ctx.unit
-        world = unit.layout.world_size
-        # reduce in the shard's dtype (fp32 master weights under mixed precision)
-        grad_full = grad_full.to(unit.shard.dtype)
-        primitive = unit.scatter_primitive or unit.primitive
-        with unit.traced("scatter"):
-            grad = reduce_scatter_mean(grad_full, unit.rank, world, primitive, unit.group)
-        if unit.replicas > 1:  # HSDP: the same shard on every replica, averaged across them
-            grad.div_(unit.replicas)
-            with unit.traced("replicate"):
-                dist.all_reduce(grad, group=unit.replicate_group)
+        engine: Zero3Engine = ctx.engine
+        scatter_in = unit.add_gradients(grads)
+        unit.open_calls -= 1
+        engine.reached(unit)
+        if unit.open_calls > 0:  # called again in the forward: one reduce-scatter, at the end
+            unit.pending_grads = scatter_in
+            return None, None, None
+        unit.start_scatter(scatter_in, engine.streams)
         unit.release()
-        return grad, None
+        engine.scatter_started(unit)
+        return None, None, None
+
+
+@dataclass
+class CommStreams:
+    """The handle and its communication stream, and the compute stream they order against."""
+
+    handle: DeviceHandle
+    comm: Stream
+    compute: Stream
+
+
+def comm_streams(handle: DeviceHandle | None, device: torch.device) -> CommStreams | None:
+    """A communication stream from ``handle`` (None on the CPU or where streams are
+    unsupported: work is then issued on the current stream)."""
+    if handle is None or device.type == "cpu":
+        return None
+    try:
+        return CommStreams(handle, handle.new_stream(device), handle.current_stream(device))
+    except Exception:  # NotSupportedError (XLA orders work in its lazy graph)
+        return None
+
+
+def _on(streams: CommStreams | None) -> AbstractContextManager[None]:
+    return nullcontext() if streams is None else streams.handle.use_stream(streams.comm)
+
+
+def _ready_for_comm(streams: CommStreams | None) -> None:
+    """The comm stream waits for what compute wrote (the gradient)."""
+    if streams is not None:
+        streams.comm.wait_stream(streams.compute)
+
+
+def _record(streams: CommStreams | None) -> Any:
+    return None if streams is None else streams.comm.record_event()
+
+
+def _wait(streams: CommStreams | None, event: Any) -> None:
+    """Compute waits for a gather issued on the comm stream."""
+    if streams is not None and event is not None:
+        streams.compute.wait_event(event)
+
+
+def _wait_comm(streams: CommStreams | None) -> None:
+    if streams is not None:
+        streams.compute.wait_stream(streams.comm)
+
+
+def _local_of(tensor: torch.Tensor) -> torch.Tensor:
+    local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+    return local
 
 
 class Zero3Engine:
-    """Installs and removes gathered parameter views around each unit's forward."""
+    """Installs and removes gathered parameter views around each unit's forward, and
+    collects the reduce-scatters of a backward."""
 
     def __init__(
-        self, units: list[UnitState], root: nn.Module, reshard_after_forward: bool = True
+        self,
+        units: list[UnitState],
+        root: nn.Module,
+        reshard_after_forward: bool = True,
+        streams: CommStreams | None = None,
     ) -> None:
         self.units = units
         self.root = root
-        #: False keeps each unit's full buffer from its forward until its backward
+        #: False keeps each unit's unsharded buffer from its forward until its backward
         #: (less communication, more memory).
         self.reshard_after_forward = reshard_after_forward
+        self.streams = streams
         self._by_storage: dict[int, UnitState] = {}
         self._forward_order: list[UnitState] = []
         self._recording = True
+        #: id(order list) -> (its length, id(unit) -> first position): see _position
+        self._positions: dict[int, tuple[int, dict[int, int]]] = {}
         #: Told when a backward starts and ends (the run log, for tracing).
         self.observer: GatherObserver | None = None
         self._in_backward = False
+        self._scattered: list[UnitState] = []
+        self._in_flight: list[UnitState] = []
 
     # -- forward ------------------------------------------------------------------------
     def enter_unit(self, unit: UnitState) -> None:
         """Gather ``unit``, prefetch the next one, install its parameter views."""
         if self._recording:
             self._forward_order.append(unit)
-        full: torch.Tensor = _GatherUnit.apply(unit.shard, unit)  # type: ignore[no-untyped-call]
-        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        views: tuple[torch.Tensor, ...] = _GatherUnit.apply(unit.anchor, unit, self)  # type: ignore[no-untyped-call]
+        if views[0].requires_grad:  # its backward will run (once per call)
+            unit.open_calls += 1
+        self._by_storage[views[0].untyped_storage().data_ptr()] = unit
         nxt = self._next_after(unit)
         if nxt is not None:
-            nxt.start_gather()
-        views = unit.views(full)
-        for name, view in views.items():
-            for module, attr in unit.places[name]:
-                setattr(module, attr, view)
+            nxt.start_gather("fwd", self.streams)
+        for p, view in zip(unit.layout.params, views, strict=True):
+            for module, attr in unit.places[p.name]:
+                module._parameters[attr] = view  # type: ignore[assignment]
 
     def leave_unit(self, unit: UnitState) -> None:
-        """Drop the views and (when resharding after forward) the buffer; autograd keeps
-        tokens, not the buffer, and backward gathers the unit again."""
-        for places in unit.places.values():
+        """Put the sharded parameters back and (when resharding after forward) drop the
+        buffer; autograd keeps tokens, not the buffer, and backward gathers again."""
+        for name, places in unit.places.items():
             for module, attr in places:
-                setattr(module, attr, _EMPTY)
+                module._parameters[attr] = unit.params[name]
         if unit.full is not None:
             self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not (unit.keep_for_backward and unit.open_calls > 0):
             unit.release()
 
     def drop_stale_prefetches(self) -> None:
-        """Before a forward: no unit keeps a buffer gathered before the optimizer step."""
+        """Before a forward: no unit keeps a buffer gathered before the optimizer step,
+        nor calls whose backward never ran."""
         for unit in self.units:
             unit.release()
+            unit.open_calls = 0
+            unit.pending_grads = None
 
     def finish_forward(self) -> None:
         """The first forward fixed the unit order used for prefetching."""
@@ -206,17 +416,60 @@ class Zero3Engine:
 
     def _next_after(self, unit: UnitState) -> UnitState | None:
         order = self._forward_order if not self._recording else self.units
-        if unit not in order:
-            return None
-        k = order.index(unit)
-        return order[k + 1] if k + 1 < len(order) else None
+        k = self._position(order, unit)
+        return order[k + 1] if k is not None and k + 1 < len(order) else None
 
     def _previous_of(self, unit: UnitState) -> UnitState | None:
         order = self._forward_order or self.units
-        if unit not in order:
-            return None
-        k = order.index(unit)
-        return order[k - 1] if k > 0 else None
+        k = self._position(order, unit)
+        return order[k - 1] if k is not None and k > 0 else None
+
+    def _position(self, order: list[UnitState], unit: UnitState) -> int | None:
+        """Where ``unit`` first appears in ``order`` (None: nowhere), by identity, from
+        an index kept while ``order`` does not grow (called for every saved tensor that
+        backward unpacks)."""
+        cached = self._positions.get(id(order))
+        if cached is None or cached[0] != len(order):
+            index: dict[int, int] = {}
+            for k, u in enumerate(order):
+                index.setdefault(id(u), k)
+            cached = (len(order), index)
+            self._positions[id(order)] = cached
+        return cached[1].get(id(unit))
+
+    # -- backward -------------------------------------------------------------------------
+    def reached(self, unit: UnitState) -> None:
+        """Backward reached ``unit``; the end of backward finishes its reduce-scatter."""
+        self._scattered.append(unit)
+        self._begin_backward()
+
+    def scatter_started(self, unit: UnitState) -> None:
+        """``unit`` started its reduce-scatter: finish the ones started before it, which
+        had the backward of ``unit`` to overlap with. At most two are in flight, so their
+        buffers (the size of the unsharded gradients) do not pile up over a backward."""
+        earlier, self._in_flight = self._in_flight, [unit]
+        for other in earlier:
+            other.finish_scatter(self.streams)
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            if self.observer is not None:
+                self.observer.begin_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self.observer is not None:
+            self.observer.end_backward()
+        scattered, self._scattered = self._scattered, []
+        done: set[int] = set()
+        for unit in scattered:
+            if id(unit) not in done:  # a unit called twice is listed twice
+                done.add(id(unit))
+                unit.flush_scatter(self.streams)
+                unit.release()
+        self._in_flight = []
 
     # -- saved tensors --------------------------------------------------------------------
     @contextmanager
@@ -240,21 +493,13 @@ class Zero3Engine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Token):
             return packed  # type: ignore[no-any-return]
-        if not self._in_backward and self.observer is not None:
-            self._in_backward = True
-            self.observer.begin_backward()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        full = packed.unit.wait_gather("bwd")
+        self._begin_backward()
+        full = packed.unit.wait_gather("bwd", self.streams)
         previous = self._previous_of(packed.unit)
         if previous is not None:
-            previous.start_gather("bwd")  # backward runs the units in reverse
+            previous.start_gather("bwd", self.streams)  # backward runs the units in reverse
         view = full.as_strided(packed.shape, packed.stride, packed.offset)
         return view
-
-    def _end_backward(self) -> None:
-        self._in_backward = False
-        if self.observer is not None:
-            self.observer.end_backward()
 
 
 @dataclass(frozen=True)
@@ -264,6 +509,3 @@ class _Token:
     stride: tuple[int, ...]
     offset: int
     requires_grad: bool
-
-
-_EMPTY = torch.empty(0)

@@ -1,12 +1,21 @@
-"""Shard layout: where every parameter lives in its unit's flat buffer and in each shard.
+"""Shard layout: how each parameter is split by rows across ranks, and where the pieces live.
 
-Each unit holds parameters of one dtype, packed in order into one flat buffer. Every
-parameter with elements starts on an ``alignment_bytes`` boundary (zero-element
-parameters take no space and need no alignment); the gaps are zero. The buffer is then
-padded with zeros so that it splits into ``world_size`` equal shards, each a whole
-number of ``alignment_bytes``: rank ``r`` holds elements
-``[r * shard_numel, (r + 1) * shard_numel)``, so concatenating the shards of all ranks
-(what an all-gather produces) gives the full buffer back. The layout is plain data:
+Every parameter is sharded along its first dim, as ``torch.distributed.tensor.Shard(0)``
+splits it: with ``W`` ranks each rank holds ``rows = ceil(dim0 / W)`` rows (the last
+ranks fewer, possibly none), so the user sees each parameter as a ``DTensor`` with its
+original name and shape. A 0-dim parameter is replicated (every rank holds it). A unit
+(parameters of one dtype gathered and freed together) keeps, per rank, one flat **shard
+buffer**: each parameter's padded chunk (``rows`` rows) in order, then one used-flag slot
+per parameter, padded to ``alignment_bytes``; the local shards are views of it, so the
+optimizer updates the buffer in place and the all-gather sends it without a copy.
+
+The all-gather of the shard buffers gives the **gathered** buffer, rank-major
+(``[W, shard_numel]``); :meth:`UnitLayout.copy_out` copies it, one fused copy, into the
+**unsharded** buffer where each parameter is contiguous (``W * rows`` rows, the first
+``dim0`` of them real), and :meth:`UnitLayout.views` gives the parameters as views of
+that. Gradients go the other way: :meth:`UnitLayout.scatter_input` lays the unsharded
+gradient out rank-major for the reduce-scatter, with the used-flags in every rank's slot
+so that every rank learns which parameters some rank used. The layout is plain data:
 JSON round trip, fingerprint, readable table. :func:`build_layout` builds one from a model.
 """
 
@@ -27,7 +36,7 @@ from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.errors import ConfigError
 from lamina.memory.units import check_units, group_units
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 def check_world_size(world_size: int) -> None:
@@ -57,32 +66,58 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class ParamShard:
-    """Where one parameter lives in its unit's full (unsharded) flat buffer, in elements."""
+    """One parameter of a unit: its row split and where its pieces live (elements).
+
+    ``offset``: where its chunk starts in every rank's shard buffer. ``rows``: rows per
+    rank (``ceil(dim0 / W)``; 1 for a 0-dim parameter, which every rank holds whole).
+    ``full_offset``: where it starts in the unsharded buffer, which gives it
+    ``W * chunk`` elements (its padded rows from every rank, in rank order).
+    """
 
     name: str
     shape: tuple[int, ...]
     offset: int
-    numel: int
+    rows: int
+    full_offset: int
 
     @property
-    def end(self) -> int:
-        """One past the parameter's last element."""
-        return self.offset + self.numel
+    def numel(self) -> int:
+        """Elements of the whole parameter."""
+        return math.prod(self.shape)
 
+    @property
+    def replicated(self) -> bool:
+        """A 0-dim parameter: not split, every rank holds it."""
+        return len(self.shape) == 0
 
-@dataclass(frozen=True)
-class ShardPiece:
-    """The part of one parameter that lies in one rank's shard (element counts)."""
+    @property
+    def row_numel(self) -> int:
+        """Elements of one row (one index of dim 0)."""
+        return math.prod(self.shape[1:]) if self.shape else 1
 
-    name: str
-    param_start: int  # first element, in the parameter's flattened order
-    shard_start: int  # where it sits in the rank's shard
-    numel: int
+    @property
+    def chunk(self) -> int:
+        """Elements of one rank's padded chunk (``rows`` rows)."""
+        return self.rows * self.row_numel
+
+    def local_rows(self, rank: int) -> int:
+        """Rows ``rank`` really holds (``Shard(0)``'s split: the last ranks fewer)."""
+        if self.replicated:
+            return 1
+        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local shard."""
+        return () if self.replicated else (self.local_rows(rank), *self.shape[1:])
+
+    def local_numel(self, rank: int) -> int:
+        """Elements of ``rank``'s local shard."""
+        return self.local_rows(rank) * self.row_numel
 
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """One unit: its parameters' places in one flat buffer of one dtype, and the shards."""
+    """One unit: its parameters' chunks in each rank's shard buffer, of one dtype."""
 
     index: int
     name: str
@@ -91,7 +126,7 @@ class UnitLayout:
     world_size: int
     alignment_bytes: int
     element_size: int
-    total_numel: int
+    shard_numel: int
 
     def __post_init__(self) -> None:
         check_world_size(self.world_size)
@@ -102,23 +137,20 @@ class UnitLayout:
             )
         check_alignment(self.alignment_bytes, self.element_size, f"{self.dtype} unit")
         align = self.alignment_bytes // self.element_size
-        if self.total_numel < 0 or self.total_numel % (self.world_size * align):
-            raise ConfigError(
-                f"unit {self.name!r}: total_numel {self.total_numel} does not split into "
-                f"{self.world_size} aligned shards; rebuild the layout"
-            )
-        cursor = 0
+        cursor = full = 0
         for p in self.params:
-            aligned = p.numel == 0 or p.offset % align == 0
-            if p.numel != math.prod(p.shape) or p.offset < cursor or not aligned:
+            rows = 1 if p.replicated else -(-p.shape[0] // self.world_size)
+            if (p.offset, p.full_offset, p.rows) != (cursor, full, rows):
                 raise ConfigError(
-                    f"unit {self.name!r}: parameter {p.name!r} has a bad offset or size; "
-                    "rebuild the layout"
+                    f"unit {self.name!r}: parameter {p.name!r} has a bad offset or row "
+                    "split; rebuild the layout"
                 )
-            cursor = p.end
-        if cursor > self.total_numel:
+            cursor += p.chunk
+            full += self.world_size * p.chunk
+        if self.shard_numel % align or self.shard_numel < cursor + len(self.params):
             raise ConfigError(
-                f"unit {self.name!r}: parameters end past total_numel; rebuild the layout"
+                f"unit {self.name!r}: shard_numel {self.shard_numel} does not hold its "
+                "chunks and flags in whole alignment units; rebuild the layout"
             )
 
     @classmethod
@@ -131,19 +163,20 @@ class UnitLayout:
         world_size: int,
         alignment_bytes: int = 512,
     ) -> UnitLayout:
-        """Pack ``params`` ((name, shape) pairs, in order) into one unit of ``dtype``."""
+        """Lay ``params`` ((name, shape) pairs, in order) out as one unit of ``dtype``."""
         check_world_size(world_size)
         size = dtype.itemsize
         check_alignment(alignment_bytes, size, f"{dtype_name(dtype)} unit {name!r}")
-        align = alignment_bytes // size
         shards: list[ParamShard] = []
-        cursor = 0
+        cursor = full = 0
         for pname, shape in params:
-            numel = math.prod(shape)
-            offset = cursor if numel == 0 else _round_up(cursor, align)
-            shards.append(ParamShard(pname, tuple(shape), offset, numel))
-            cursor = offset + numel
-        total = _round_up(cursor, world_size * align)
+            shape = tuple(shape)
+            rows = 1 if not shape else -(-shape[0] // world_size)
+            shard = ParamShard(pname, shape, cursor, rows, full)
+            shards.append(shard)
+            cursor += shard.chunk
+            full += world_size * shard.chunk
+        total = _round_up(cursor + len(shards), alignment_bytes // size)
         return cls(
             index, name, dtype_name(dtype), tuple(shards), world_size, alignment_bytes, size, total
         )
@@ -154,73 +187,56 @@ class UnitLayout:
         return dtype_from_name(self.dtype)
 
     @property
-    def shard_numel(self) -> int:
-        """Elements in each rank's shard."""
-        return self.total_numel // self.world_size
+    def total_numel(self) -> int:
+        """Elements of the gathered buffer (every rank's shard buffer, rank-major)."""
+        return self.world_size * self.shard_numel
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the unsharded buffer (each parameter's padded rows, contiguous)."""
+        return self.world_size * self.flag_offset
+
+    @property
+    def flag_offset(self) -> int:
+        """Where the used-flags start in a shard buffer (after the last chunk)."""
+        return sum(p.chunk for p in self.params)
 
     @property
     def shard_bytes(self) -> int:
-        """Bytes in each rank's shard."""
+        """Bytes in each rank's shard buffer."""
         return self.shard_numel * self.element_size
 
     @property
-    def used_numel(self) -> int:
-        """End of the last parameter: the elements before the trailing padding."""
-        return max((p.end for p in self.params), default=0)
+    def param_numel(self) -> int:
+        """Elements of the unit's parameters (Psi of the unit)."""
+        return sum(p.numel for p in self.params)
 
     @property
     def padding(self) -> int:
-        """Trailing zero elements after the last parameter (gaps between parameters,
-        from aligning each parameter's start, are zero too but not counted here)."""
-        return self.total_numel - self.used_numel
+        """Elements of the gathered buffer that hold no parameter (row padding, flags,
+        alignment)."""
+        return self.total_numel - self.param_numel
 
     @property
     def param_names(self) -> tuple[str, ...]:
         """Names of the unit's parameters, in buffer order."""
         return tuple(p.name for p in self.params)
 
-    def shard_range(self, rank: int) -> tuple[int, int]:
-        """``[start, end)`` element range of ``rank``'s shard in the full buffer."""
-        if not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank {rank} is outside world size {self.world_size}")
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def pieces(self, rank: int) -> tuple[ShardPiece, ...]:
-        """The parts of parameters that lie in ``rank``'s shard, in buffer order."""
-        start, end = self.shard_range(rank)
-        found = []
-        for p in self.params:
-            lo, hi = max(p.offset, start), min(p.end, end)
-            if lo < hi:
-                found.append(ShardPiece(p.name, lo - p.offset, lo - start, hi - lo))
-        return tuple(found)
-
-    def _gaps(self) -> list[tuple[int, int]]:
-        gaps, cursor = [], 0
-        for p in self.params:
-            if p.offset > cursor:
-                gaps.append((cursor, p.offset))
-            cursor = max(cursor, p.end)
-        if cursor < self.total_numel:
-            gaps.append((cursor, self.total_numel))
-        return gaps
-
-    def _check_flat(self, flat: torch.Tensor, what: str) -> None:
-        if flat.dim() != 1 or flat.numel() != self.total_numel or flat.dtype != self.torch_dtype:
+    def _check(self, flat: torch.Tensor, numel: int, what: str) -> None:
+        if flat.dim() != 1 or flat.numel() != numel:
             raise ConfigError(
-                f"unit {self.name!r}: {what} must be a 1-D {self.dtype} tensor of "
-                f"{self.total_numel} elements, got {flat.dtype} {tuple(flat.shape)}"
+                f"unit {self.name!r}: {what} must be a 1-D tensor of {numel} elements, got "
+                f"{tuple(flat.shape)}"
             )
 
-    def flatten(
-        self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None
+    def shard_of(
+        self, tensors: Mapping[str, torch.Tensor], rank: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The full padded flat buffer of ``tensors`` (name -> tensor, the unit's params).
-
-        Gaps and padding are zero; values are copied (cast to the unit's dtype if
-        needed), without autograd. ``out`` (1-D, ``total_numel``, unit dtype) is filled
-        in place; otherwise a buffer is allocated on the first parameter's device.
-        """
+        """``rank``'s shard buffer of the full parameters ``tensors`` (name -> tensor):
+        its rows of each, zero elsewhere; values copied (cast to the unit's dtype), no
+        autograd. ``out`` (1-D, ``shard_numel``) is filled in place if given."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside world size {self.world_size}")
         missing = [p.name for p in self.params if p.name not in tensors]
         if missing:
             raise ConfigError(
@@ -235,26 +251,125 @@ class UnitLayout:
                 )
         if out is None:
             device = tensors[self.params[0].name].device if self.params else None
-            out = torch.empty(self.total_numel, dtype=self.torch_dtype, device=device)
+            out = torch.zeros(self.shard_numel, dtype=self.torch_dtype, device=device)
         else:
-            self._check_flat(out, "out")
+            self._check(out, self.shard_numel, "out")
+            out.zero_()
         with torch.no_grad():
-            for start, end in self._gaps():
-                out[start:end].zero_()
             for p in self.params:
-                out[p.offset : p.end].view(p.shape).copy_(tensors[p.name])
+                source = tensors[p.name].reshape(-1)
+                start = 0 if p.replicated else rank * p.rows * p.row_numel
+                n = p.local_numel(rank)
+                out[p.offset : p.offset + n].copy_(source[start : start + n])
         return out
 
-    def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """A view of ``rank``'s shard of the full buffer ``flat``."""
-        self._check_flat(flat, "the flat buffer")
-        start, end = self.shard_range(rank)
-        return flat[start:end]
+    def local_views(self, shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+        """``rank``'s local shards as views of its shard buffer (shape ``local_shape``)."""
+        self._check(shard, self.shard_numel, "the shard buffer")
+        return {
+            p.name: shard[p.offset : p.offset + p.local_numel(rank)].view(p.local_shape(rank))
+            for p in self.params
+        }
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of the full buffer ``flat`` with the parameters' shapes."""
-        self._check_flat(flat, "the flat buffer")
-        return {p.name: flat[p.offset : p.end].view(p.shape) for p in self.params}
+    def copy_out(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
+        """Fill ``unsharded`` from ``gathered`` (rank-major) in one fused copy: each
+        parameter's rows from every rank, contiguous. Returns ``unsharded``."""
+        self._check(gathered, self.total_numel, "the gathered buffer")
+        self._check(unsharded, self.unsharded_numel, "the unsharded buffer")
+        if not self.params:
+            return unsharded
+        w = self.world_size
+        sizes = [p.chunk for p in self.params] + [self.shard_numel - self.flag_offset]
+        outs = [
+            unsharded[p.full_offset : p.full_offset + w * p.chunk].view(w, p.chunk)
+            for p in self.params
+        ]
+        tail = torch.empty(w, sizes[-1], dtype=gathered.dtype, device=gathered.device)
+        torch.split_with_sizes_copy(
+            gathered.view(w, self.shard_numel), sizes, dim=1, out=[*outs, tail]
+        )
+        return unsharded
+
+    def views(self, unsharded: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameters (their original shapes) as views of the unsharded buffer."""
+        self._check(unsharded, self.unsharded_numel, "the unsharded buffer")
+        return {
+            p.name: unsharded[p.full_offset : p.full_offset + p.numel].view(p.shape)
+            for p in self.params
+        }
+
+    def scatter_input(self, grad: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter input (rank-major, ``total_numel``) of the unsharded
+        gradient ``grad``: rank ``r``'s slot holds row chunk ``r`` of every parameter and
+        the used-``flags`` (one per parameter), so that every rank receives the sum of
+        the flags. A replicated parameter's gradient goes to every slot."""
+        self._check(grad, self.unsharded_numel, "the unsharded gradient")
+        w = self.world_size
+        pieces = []
+        for p in self.params:
+            block = grad[p.full_offset : p.full_offset + w * p.chunk].view(w, p.chunk)
+            if p.replicated:
+                block = block[:1].expand(w, 1)
+            pieces.append(block)
+        pad = self.shard_numel - self.flag_offset - len(self.params)
+        pieces.append(flags.to(grad.dtype).view(1, -1).expand(w, len(self.params)))
+        pieces.append(grad.new_zeros(w, pad))
+        return torch.cat(pieces, dim=1).view(-1)
+
+    def place_shard(self, shard: torch.Tensor, out: torch.Tensor, rank: int) -> torch.Tensor:
+        """Fill ``out`` (1-D, ``total_numel``) with ``rank``'s shard buffer ``shard`` laid
+        out as the unsharded buffer (``out[:unsharded_numel]``): its row chunk of every
+        parameter where the unsharded buffer keeps it, zeros elsewhere (the flags and the
+        tail included). Summed over the ranks (an all-reduce), ``out`` *is* the unsharded
+        buffer: no gathered buffer and no :meth:`copy_out`. Returns ``out``."""
+        self._check(shard, self.shard_numel, "the shard buffer")
+        self._check(out, self.total_numel, "the all-reduce buffer")
+        out.zero_()
+        if self.params:
+            torch.split_with_sizes_copy(
+                shard.narrow(0, 0, self.flag_offset),
+                [p.chunk for p in self.params],
+                out=[out.narrow(0, p.full_offset + rank * p.chunk, p.chunk) for p in self.params],
+            )
+        return out
+
+    def scatter_input_of(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        flags: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`scatter_input` from the parameters' own gradients (``grads``, in
+        parameter order, of their shapes; None: the parameter got none, zeros) in one
+        fused copy, without an unsharded gradient: rank ``r``'s slot holds row chunk
+        ``r`` of every gradient and the used-``flags``. Written into ``out`` (1-D,
+        ``total_numel``, its dtype: gradients are cast on the way) or a new tensor of
+        ``flags``' dtype."""
+        if len(grads) != len(self.params):
+            raise ConfigError(
+                f"unit {self.name!r}: {len(grads)} gradients for {len(self.params)} parameters"
+            )
+        if out is None:
+            out = torch.empty(self.total_numel, dtype=flags.dtype, device=flags.device)
+        self._check(out, self.total_numel, "the reduce-scatter input")
+        w = self.world_size
+        zero = out.new_zeros(())
+        pieces: list[torch.Tensor] = []
+        for p, g in zip(self.params, grads, strict=True):
+            if g is None:
+                pieces.append(zero.expand(w, p.chunk))
+            elif p.replicated:
+                pieces.append(g.reshape(1, 1).expand(w, 1))
+            elif p.numel == w * p.chunk:
+                pieces.append(g.reshape(w, p.chunk))
+            else:  # the last ranks' padding rows: zeros
+                padded = g.new_zeros(w * p.chunk)
+                padded[: p.numel].copy_(g.reshape(-1))
+                pieces.append(padded.view(w, p.chunk))
+        pieces.append(flags.view(1, -1).expand(w, len(self.params)))
+        pieces.append(zero.expand(w, self.shard_numel - self.flag_offset - len(self.params)))
+        torch.cat(pieces, dim=1, out=out.view(w, self.shard_numel))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """The unit as plain data (derived sizes included for readers)."""
@@ -265,11 +380,16 @@ class UnitLayout:
             "world_size": self.world_size,
             "alignment_bytes": self.alignment_bytes,
             "element_size": self.element_size,
-            "total_numel": self.total_numel,
             "shard_numel": self.shard_numel,
             "padding": self.padding,
             "params": [
-                {"name": p.name, "shape": list(p.shape), "offset": p.offset, "numel": p.numel}
+                {
+                    "name": p.name,
+                    "shape": list(p.shape),
+                    "offset": p.offset,
+                    "rows": p.rows,
+                    "full_offset": p.full_offset,
+                }
                 for p in self.params
             ],
         }
@@ -282,7 +402,8 @@ class UnitLayout:
                 str(p["name"]),
                 tuple(int(s) for s in p["shape"]),
                 int(p["offset"]),
-                int(p["numel"]),
+                int(p["rows"]),
+                int(p["full_offset"]),
             )
             for p in data["params"]
         )
@@ -294,7 +415,7 @@ class UnitLayout:
             int(data["world_size"]),
             int(data["alignment_bytes"]),
             int(data["element_size"]),
-            int(data["total_numel"]),
+            int(data["shard_numel"]),
         )
 
 
@@ -380,8 +501,8 @@ class ShardLayout:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def table(self) -> str:
-        """A readable table: unit, dtype, params, total, shard, padding (elements)."""
-        rows: list[tuple[str, ...]] = [("unit", "dtype", "params", "total", "shard", "padding")]
+        """A readable table: unit, dtype, params, gathered, shard, padding (elements)."""
+        rows: list[tuple[str, ...]] = [("unit", "dtype", "params", "gathered", "shard", "padding")]
         for u in self.units:
             sizes = (len(u.params), u.total_numel, u.shard_numel, u.padding)
             rows.append((u.name, u.dtype, *(str(n) for n in sizes)))

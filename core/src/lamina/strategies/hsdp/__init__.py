@@ -22,7 +22,7 @@ from torch import nn
 from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions, axis_names
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.wrapper import ShardedDataParallel
+from lamina.strategies.zero3.wrapper import shard_module
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
@@ -48,7 +48,7 @@ class HybridShardedStrategy(Strategy):
     ) -> nn.Module:
         """The ZeRO-3 wrapper on ``placement``'s shard and replica groups."""
         assert isinstance(options, Zero3Options)
-        return ShardedDataParallel(model, runtime, placement, options, strategy=self.name)
+        return shard_module(model, runtime, placement, options, strategy=self.name)
 
 
 __all__ = ["HybridShardedStrategy"]

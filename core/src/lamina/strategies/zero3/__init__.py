@@ -1,9 +1,9 @@
 """ZeRO-3: ``lamina.distribute(model, "zero3")``, and the engine HSDP places on two axes.
 
 One folder, one strategy: :mod:`.options` (what it accepts), :mod:`.plan` (its execution
-plan from the shard layout), :mod:`.wrapper` (the wrapped model over the memory layer's
-engine), :mod:`.state` (full and DCP state dicts), :mod:`.accounting` (memory against
-the ZeRO-3 formula).
+plan from the shard layout), :mod:`.wrapper` (the model sharded in place over the memory
+layer's engine: its parameters become DTensors, so torch's state-dict and checkpoint
+APIs work as with FSDP2), :mod:`.accounting` (memory against the ZeRO-3 formula).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from lamina.device.mesh import DeviceMesh
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.wrapper import ShardedDataParallel
+from lamina.strategies.zero3.wrapper import ShardedModule, shard_module
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
@@ -36,9 +36,9 @@ class Zero3Strategy(Strategy):
     def wrap(
         self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
     ) -> nn.Module:
-        """A :class:`ShardedDataParallel` sharding over ``placement.shard``."""
+        """``model`` itself, sharded over ``placement.shard`` (see :func:`shard_module`)."""
         assert isinstance(options, Zero3Options)
-        return ShardedDataParallel(model, runtime, placement, options, strategy=self.name)
+        return shard_module(model, runtime, placement, options, strategy=self.name)
 
 
-__all__ = ["ShardedDataParallel", "Zero3Options", "Zero3Strategy"]
+__all__ = ["ShardedModule", "Zero3Options", "Zero3Strategy", "shard_module"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lamina.units import format_bytes
 
 if TYPE_CHECKING:
-    from lamina.strategies.zero3.wrapper import ShardedDataParallel
+    from lamina.strategies.zero3.wrapper import ShardedModule
 
 
 @dataclass(frozen=True)
@@ -88,20 +88,24 @@ class MemoryAccount:
 
 
 def memory_accounting(
-    model: ShardedDataParallel, optimizer: torch.optim.Optimizer | None = None
+    model: ShardedModule, optimizer: torch.optim.Optimizer | None = None
 ) -> MemoryAccount:
     """Measure this rank's parameter, gradient and optimizer-state bytes of ``model``.
 
-    Gradients are counted where they exist: call it after ``backward`` (or ``step``) and
-    before ``zero_grad(set_to_none=True)`` to see them. Optimizer state is counted for
-    ``model``'s shards only; ``K`` counts state tensors with one value per element
-    (AdamW's moments), not scalars such as ``step``.
+    Parameters are the units' shard buffers (row padding, flags and alignment
+    included). Gradients are counted where they exist: call it after ``backward`` (or
+    ``step``) and before ``zero_grad(set_to_none=True)`` to see them. Optimizer state is
+    counted for the sharded parameters only; ``K`` counts state tensors with one value
+    per element of the local shard (AdamW's moments), not scalars such as ``step``.
     """
-    shards = list(model.shards)
-    ids = {id(p) for p in shards}
-    local = sum(p.numel() for p in shards)
-    param_bytes = sum(p.numel() * p.element_size() for p in shards)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in shards if p.grad is not None)
+    engine = model.lamina_engine
+    params = [p for unit in engine.units for p in unit.params.values()]
+    ids = {id(p) for p in params}
+    local = sum(_local(p).numel() for p in params)
+    param_bytes = sum(unit.shard.numel() * unit.shard.element_size() for unit in engine.units)
+    grad_bytes = sum(
+        _local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
+    )
     state_bytes = per_element = 0
     if optimizer is not None:
         for param, per_param in optimizer.state.items():
@@ -109,19 +113,19 @@ def memory_accounting(
                 continue
             for value in per_param.values():
                 if isinstance(value, torch.Tensor):
-                    size = value.numel() * value.element_size()
+                    size = _local(value).numel() * value.element_size()
                     state_bytes += size
-                    if value.numel() == param.numel():
+                    if _local(value).numel() == _local(param).numel():
                         per_element += size
-    units = model.layout.units
-    psi = sum(p.numel for u in units for p in u.params)
-    weighted = sum(p.numel * u.element_size for u in units for p in u.params)
+    units = model.lamina_layout.units
+    psi = sum(u.param_numel for u in units)
+    weighted = sum(u.param_numel * u.element_size for u in units)
     elem = weighted / psi if psi else 0.0
     return MemoryAccount(
-        rank=dist.get_rank(model.group),
-        world_size=model.layout.world_size,
+        rank=dist.get_rank(model.lamina_sharding.group),
+        world_size=model.lamina_layout.world_size,
         param_count=psi,
-        local_numel=local,
+        local_numel=sum(u.shard_numel for u in units),
         parameter_bytes=param_bytes,
         gradient_bytes=grad_bytes,
         optimizer_bytes=state_bytes,
@@ -129,3 +133,8 @@ def memory_accounting(
         grad_element_size=elem,
         optimizer_bytes_per_param=per_element / local if local else 0.0,
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+    return local

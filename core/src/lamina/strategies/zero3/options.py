@@ -21,10 +21,12 @@ class Zero3Options(StrategyOptions):
     the optimizer stay in their dtype (fp32 master weights), units are gathered and
     computed in ``param_dtype``, gradients reduced in the shard's dtype.
     ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
-    backward. ``collectives`` picks the gather / reduce-scatter primitives: ``"native"``,
-    ``"all_reduce"`` (their all-reduce forms) or ``"auto"`` (all-reduce forms on gloo,
-    where they are faster); ``disable_collectives`` (or ``$LAMINA_DISABLE_COLLECTIVES``)
-    forces the alternative for the ops named.
+    backward (with True, only the last unit and the whole-forward ones are). ``collectives``
+    picks the gather / reduce-scatter primitives: ``"native"``, ``"all_reduce"`` (their
+    all-reduce forms) or ``"auto"`` (native, except on gloo: one broadcast per rank and
+    an all_to_all, faster there; all-reduce forms beyond 8 ranks);
+    ``disable_collectives`` (or ``$LAMINA_DISABLE_COLLECTIVES``) forces the all-reduce
+    form for the ops named.
     """
 
     alignment_bytes: int = 512

@@ -66,6 +66,14 @@ class Zero3PlanInputs:
     compute_dtype: str | None = None
     reshard_after_forward: bool = True
     strategy: str = "zero3"
+    #: Units kept gathered from their forward to their backward even when resharding
+    #: after forward: backward needs them first, or (whole-forward units) needs them
+    #: until its end anyway, so freeing them would only add a gather.
+    kept_for_backward: frozenset[str] = frozenset()
+
+    def reshards(self, unit: str) -> bool:
+        """Whether ``unit`` is freed after its forward and gathered again for backward."""
+        return self.reshard_after_forward and unit not in self.kept_for_backward
 
 
 def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
@@ -126,7 +134,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         if previous:
             edges.append((previous, compute))
         previous = compute
-        if inputs.reshard_after_forward:
+        if inputs.reshards(unit.name):
             free = f"{unit.name}.free.fwd"
             nodes.append(PlanNode(free, "free", "forward", f"free {unit.name} after forward"))
             edges.append((compute, free))
@@ -134,7 +142,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         compute = f"{unit.name}.backward"
         nodes.append(PlanNode(compute, "backward", "backward", f"backward of {unit.name}"))
         edges.append((previous, compute))
-        if inputs.reshard_after_forward:
+        if inputs.reshards(unit.name):
             gather = gather_node(unit.name, "bwd")
             nodes.append(_gather(inputs, unit, gather, "backward", f"gather {unit.name} again"))
             edges.append((gather, compute))
@@ -172,11 +180,9 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step on the flat shards"))
     for node in nodes:
         if node.kind == "gather":
-            fallbacks.append(
-                _fallback(node.id, inputs.gather, "all_reduce of a zero-filled buffer")
-            )
+            fallbacks.append(_fallback(node.id, inputs.gather))
         elif node.id.endswith(".reduce_scatter"):
-            fallbacks.append(_fallback(node.id, inputs.scatter, "all_reduce + slice"))
+            fallbacks.append(_fallback(node.id, inputs.scatter))
     return ExecutionPlan(
         strategy=inputs.strategy,
         world_size=world,
@@ -189,6 +195,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             pg_backend=inputs.pg_backend,
             compute_dtype=inputs.compute_dtype or "shard dtype",
             reshard_after_forward=inputs.reshard_after_forward,
+            kept_for_backward=",".join(sorted(inputs.kept_for_backward)) or "none",
             units=len(order),
             shard_axis=groups.shard_axis,
             replicate_axis=groups.replicate_axis or "none",
@@ -209,11 +216,11 @@ def _gather(
     )
 
 
-def _fallback(node_id: str, choice: PrimitiveChoice, alternative: str) -> Fallback:
+def _fallback(node_id: str, choice: PrimitiveChoice) -> Fallback:
     return Fallback(
         node_id,
         choice.requested,
-        alternative,
+        choice.alternative,
         f"{choice.requested} disabled, missing on the backend, or slower there",
         taken=choice.fell_back,
         reason=choice.reason,
@@ -222,10 +229,11 @@ def _fallback(node_id: str, choice: PrimitiveChoice, alternative: str) -> Fallba
 
 def shard_lines(layout: ShardLayout) -> tuple[str, ...]:
     """The pre-flight manifest's ``shards`` category: one line per unit of the layout
-    (sizes, padding, parameters with offsets)."""
+    (sizes, and each parameter's shape, rows per rank and chunk offset)."""
     return tuple(
         f"unit {u.index} {u.name}: {u.dtype} world_size={u.world_size} "
-        f"align={u.alignment_bytes} total_numel={u.total_numel} shard_numel={u.shard_numel} "
-        f"padding={u.padding} params=[{', '.join(f'{p.name}@{p.offset}' for p in u.params)}]"
+        f"align={u.alignment_bytes} shard_numel={u.shard_numel} params=["
+        + ", ".join(f"{p.name}{list(p.shape)}/{p.rows}@{p.offset}" for p in u.params)
+        + "]"
         for u in layout.units
     )

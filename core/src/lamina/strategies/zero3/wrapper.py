@@ -1,36 +1,41 @@
-"""ZeRO-3 data parallelism (``lamina.distribute(model, "zero3")``).
+"""ZeRO-3 data parallelism (``lamina.distribute(model, "zero3")``) and, placed on two mesh
+axes, HSDP.
 
-Parameters, gradients and optimizer state are sharded across the data-parallel group:
-the wrapper's ``parameters()`` are this rank's flat shards (one per unit), so a stock
-``torch.optim`` optimizer keeps state for the shard only. See
-:mod:`lamina.memory.engine` for how units are gathered and freed. The layout and unit
-order become an :class:`~lamina.runtime.ExecutionPlan` (gathers, reduce-scatters and
-their primitives, frees, the optimizer step) that every rank verifies against the
-others before the first collective; the engine takes its primitives from the plan.
+The model keeps its parameters: :func:`shard_module` turns every trainable parameter
+into a ``DTensor`` sharded on dim 0 over the shard group (replicated over the replica
+group for HSDP) under its own name and shape, and returns the same module, its class
+extended by :class:`ShardedModule`. So ``named_parameters()``, optimizer groups built by
+name or shape, ``state_dict()`` and ``torch.distributed.checkpoint.state_dict`` work as
+with FSDP2. The local shards are views of each unit's flat shard buffer, which the
+engine all-gathers and reduce-scatters (:mod:`lamina.memory.engine`). The layout and
+unit order become an :class:`~lamina.runtime.ExecutionPlan` that every rank verifies
+against the others before the first collective; the engine takes its primitives from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
-from lamina.memory.engine import UnitState, Zero3Engine
+from lamina.memory.engine import UnitState, Zero3Engine, comm_streams
 from lamina.memory.gather import Primitive
 from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
-from lamina.strategies.contract import Placement, PlannedStep
+from lamina.strategies.contract import Placement as MeshPlacement
+from lamina.strategies.contract import PlannedStep
 from lamina.strategies.preflight import before_first_collective
 from lamina.strategies.zero3 import plan as plan_z3
-from lamina.strategies.zero3 import state as shard_state
 from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.verify import PreflightReport
@@ -39,203 +44,300 @@ if TYPE_CHECKING:
     from lamina.session import Runtime
 
 
-class ShardedDataParallel(nn.Module):
-    """Wraps ``module`` so that every rank of a shard group holds 1/N of its parameters.
-
-    The shard group is the one ``placement`` shards over on ``runtime.mesh`` (every axis
-    by default: the whole job, ZeRO-3); the axes it replicates over (HSDP's ``inter``)
-    hold copies of the shards, and each shard gradient is all-reduced across them after
-    its reduce-scatter. A unit named after one submodule is gathered around that
-    submodule's forward and freed after it; the root unit and merged units are gathered
-    for the whole forward. Every unit is gathered again in backward when needed. The
-    options are :class:`~lamina.strategies.zero3.options.Zero3Options`.
-    """
+class Sharding:
+    """What a sharded model carries besides its parameters (``model.lamina_sharding``)."""
 
     def __init__(
         self,
-        module: nn.Module,
         runtime: Runtime,
-        placement: Placement | None = None,
-        options: Zero3Options | None = None,
-        *,
-        strategy: str = "zero3",
+        placement: MeshPlacement,
+        layout: ShardLayout,
+        execution_plan: ExecutionPlan,
+        run_log: RunLog,
+        preflight: PreflightReport | None,
+        group: dist.ProcessGroup | None,
+        param_dtype: torch.dtype | None,
     ) -> None:
-        super().__init__()
-        if not dist.is_initialized():
-            raise ConfigError("ZeRO-3 needs torch.distributed; call lamina.init() first")
-        options = options or Zero3Options()
-        placement = placement or Placement(shard=runtime.mesh.axis_names)
-        if not placement.shard:
-            raise ConfigError(
-                f"strategy {strategy!r} shards over no mesh axis (placement "
-                f"{placement.describe()}); name at least one axis in shard=, or use 'dp'"
-            )
-        mesh = runtime.mesh
         self.runtime = runtime
         self.placement = placement
-        self.group, shard_ranks = mesh.group_over(placement.shard)
-        self.replicate_group: dist.ProcessGroup | None = None
-        replicas: tuple[int, ...] = ()
-        if placement.replicate:
-            self.replicate_group, replicas = mesh.group_over(placement.replicate)
-        world = len(shard_ranks)
-        rank = shard_ranks.index(dist.get_rank())
-        self.layout: ShardLayout = build_layout(
-            module,
-            world,
-            alignment_bytes=options.alignment_bytes,
-            units=group_units(module, min_unit_numel=options.min_unit_numel),
-        )
-        groups = plan_z3.PlanGroups(
-            shard=shard_ranks,
-            shard_axis=mesh.axes_label(placement.shard),
-            replicate=replicas,
-            replicate_axis=mesh.axes_label(placement.replicate) if replicas else "",
-            everyone=tuple(range(runtime.world_size)),
-            everyone_axis=mesh.axes_label(mesh.axis_names),
-        )
-        self.execution_plan: ExecutionPlan = _build_plan(
-            module, self.layout, runtime, self.group, groups, options, strategy
-        )
-        shard_lines = plan_z3.shard_lines(self.layout)
-        planned = PlannedStep(self.execution_plan, (("shards", shard_lines),))
-        self.preflight: PreflightReport | None = before_first_collective(
-            runtime, planned, module, verify=options.verify
-        )
-        self.run_log = RunLog(self.execution_plan)
-        initial = [*module.parameters(), *module.buffers()]
-        run_broadcast_nodes(self.run_log, "setup", initial, 0, None)
-        places = _places(module)
-        gather_op = _gather_primitive(self.execution_plan)
-        scatter_op = _scatter_primitive(self.execution_plan)
-        units = []
-        for unit in self.layout.units:
-            named = {p.name: _param(module, p.name) for p in unit.params}
-            with torch.no_grad():
-                full = unit.flatten({n: t.detach() for n, t in named.items()})
-                shard = nn.Parameter(unit.shard_of(full, rank).clone())
-            units.append(
-                UnitState(
-                    unit,
-                    shard,
-                    {n: places[n] for n in named},
-                    rank,
-                    gather_op,
-                    self.group,
-                    compute_dtype=options.param_dtype,
-                    scatter_primitive=scatter_op,
-                    nodes={
-                        "fwd": plan_z3.gather_node(unit.name, "fwd"),
-                        "bwd": plan_z3.gather_node(unit.name, "bwd"),
-                        "scatter": plan_z3.scatter_node(unit.name),
-                        "replicate": plan_z3.replicate_node(unit.name),
-                    },
-                    observer=self.run_log,
-                    replicate_group=self.replicate_group,
-                    replicas=len(replicas),
-                )
-            )
-        self.param_dtype = options.param_dtype
-        for state in units:
-            for module_places in state.places.values():
-                for owner, attr in module_places:
-                    if attr in owner._parameters:
-                        del owner._parameters[attr]
-        self.module = module
-        self.shards = nn.ParameterList([u.shard for u in units])
-        self.engine = Zero3Engine(units, module, options.reshard_after_forward)
-        self.engine.observer = self.run_log
+        self.layout = layout
+        self.execution_plan = execution_plan
+        self.run_log = run_log
+        self.preflight = preflight
+        #: This rank's shard group (None: the whole job).
+        self.group = group
+        self.param_dtype = param_dtype
+        self.engine: Zero3Engine | None = None
         #: Units gathered for the whole forward: the root unit, and merged units that do
         #: not correspond to one submodule.
-        self._whole_forward: list[UnitState] = []
-        for state in units:
-            submodule = _submodule(module, state.layout.name)
-            if submodule is None:
-                self._whole_forward.append(state)
-            else:
-                self._hook_unit(submodule, state)
-        for state in units:
-            self.engine.leave_unit(state)  # module attributes hold no full parameters
+        self.whole_forward: list[UnitState] = []
 
-    def _hook_unit(self, submodule: nn.Module, state: UnitState) -> None:
-        engine = self.engine
-        submodule.register_forward_pre_hook(lambda _m, _a: engine.enter_unit(state))
-        submodule.register_forward_hook(lambda _m, _a, _o: engine.leave_unit(state))
+
+class ShardedModule(nn.Module):
+    """The methods a model sharded by ``zero3`` / ``hsdp`` gains (its class is extended,
+    not wrapped, so ``isinstance`` and every attribute of the model still hold)."""
+
+    lamina_sharding: Sharding
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Gather the root unit for the whole forward; block units gather around themselves."""
+        sharding = self.lamina_sharding
+        engine = sharding.engine
+        assert engine is not None
         if self.training and torch.is_grad_enabled():
-            self.run_log.begin_step()
-        self.engine.drop_stale_prefetches()
-        if self.param_dtype is not None:  # mixed precision: floating inputs in param dtype
-            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-        with self.engine.saved_views_as_tokens(), self.run_log.compute("forward"):
-            for state in self._whole_forward:
-                self.engine.enter_unit(state)
+            sharding.run_log.begin_step()
+        engine.drop_stale_prefetches()
+        if sharding.param_dtype is not None:  # mixed precision: floating inputs in its dtype
+            args, kwargs = _cast_floats((args, kwargs), sharding.param_dtype)
+        with engine.saved_views_as_tokens(), sharding.run_log.compute("forward"):
+            for state in sharding.whole_forward:
+                engine.enter_unit(state)
             try:
-                out = self.module(*args, **kwargs)
+                out = super().forward(*args, **kwargs)
             finally:
-                for state in self._whole_forward:
-                    self.engine.leave_unit(state)
-        self.engine.finish_forward()
+                for state in sharding.whole_forward:
+                    engine.leave_unit(state)
+        engine.finish_forward()
         return out
+
+    @property
+    def execution_plan(self) -> ExecutionPlan:
+        """The plan of one step (gathers, reduce-scatters, frees, the optimizer)."""
+        return self.lamina_sharding.execution_plan
+
+    @property
+    def run_log(self) -> RunLog:
+        """What each step issued and which run-time fallbacks it took."""
+        return self.lamina_sharding.run_log
+
+    @property
+    def preflight(self) -> PreflightReport | None:
+        """The pre-flight verification report (None when it was turned off)."""
+        return self.lamina_sharding.preflight
+
+    @property
+    def lamina_engine(self) -> Zero3Engine:
+        """The units and their gathers (for tests and inspection)."""
+        engine = self.lamina_sharding.engine
+        assert engine is not None
+        return engine
+
+    @property
+    def lamina_layout(self) -> ShardLayout:
+        """The shard layout (units, row splits, buffer sizes)."""
+        return self.lamina_sharding.layout
 
     def step_summary(self) -> str:
         """One line: collectives of the last step and every fallback taken."""
-        return self.run_log.summary()
+        return self.lamina_sharding.run_log.summary()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradient shards so that the global gradient norm is at most ``max_norm``.
-
-        The norm is over the whole model (squared shard norms summed across ranks), as
-        ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model.
-        """
-        grads = [p.grad for p in self.shards if p.grad is not None]
-        device = self.shards[0].device if len(self.shards) else torch.device("cpu")
+        """Scale the gradients so that the global gradient norm is at most ``max_norm``;
+        the norm is the unsharded model's, as ``torch.nn.utils.clip_grad_norm_`` computes
+        it: sharded gradients summed over the shard group, replicated ones once."""
+        sharded: list[torch.Tensor] = []
+        plain: list[torch.Tensor] = []
+        for p in self.parameters():
+            if p.grad is not None:
+                (sharded if isinstance(p.grad, DTensor) else plain).append(p.grad)
+        device = next(self.parameters()).device
         squares = torch.zeros((), dtype=torch.float32, device=device)
-        for grad in grads:
-            squares += grad.detach().float().pow(2).sum()
-        if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(squares, group=self.group)
+        for grad in sharded:
+            if isinstance(grad, DTensor) and _is_sharded(grad):
+                squares += grad.to_local().detach().float().pow(2).sum()
+        group = self.lamina_sharding.group
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+        replicated = [g for g in sharded if isinstance(g, DTensor) and not _is_sharded(g)]
+        for grad in [*plain, *replicated]:
+            squares += _local(grad).detach().float().pow(2).sum()
         total = squares.sqrt()
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(scale.to(grad.dtype))
+        for grad in [*sharded, *plain]:
+            _local(grad).mul_(scale.to(grad.dtype))
         return total
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds for parameter shards, gradient shards and optimizer state."""
-        params = sum(p.numel() * p.element_size() for p in self.shards)
-        grads = sum(
-            p.grad.numel() * p.grad.element_size() for p in self.shards if p.grad is not None
-        )
-        state = 0
-        if optimizer is not None:
-            for per_param in optimizer.state.values():
-                for value in per_param.values():
-                    if isinstance(value, torch.Tensor):
-                        state += value.numel() * value.element_size()
-        return {"parameters": params, "gradients": grads, "optimizer_state": state}
+        account = memory_accounting(self, optimizer)
+        return {
+            "parameters": account.parameter_bytes,
+            "gradients": account.gradient_bytes,
+            "optimizer_state": account.optimizer_bytes,
+        }
 
     def memory_accounting(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryAccount:
         """This rank's model-state bytes against the ZeRO-3 formula (see ``.table()``)."""
         return memory_accounting(self, optimizer)
 
-    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The unsharded state dict on the CPU (collective); see :mod:`lamina.memory.state`."""
-        return shard_state.full_state_dict(self, rank0_only=rank0_only)
 
-    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
-        """Take this rank's slice of a full state dict."""
-        shard_state.load_full_state_dict(self, full)
+def shard_module(
+    module: nn.Module,
+    runtime: Runtime,
+    placement: MeshPlacement | None = None,
+    options: Zero3Options | None = None,
+    *,
+    strategy: str = "zero3",
+) -> ShardedModule:
+    """Shard ``module`` in place (see the module docstring) and return it."""
+    if not dist.is_initialized():
+        raise ConfigError("ZeRO-3 needs torch.distributed; call lamina.init() first")
+    if isinstance(module, ShardedModule):
+        raise ConfigError(
+            f"this {type(module).__name__} is already sharded; distribute the model once"
+        )
+    options = options or Zero3Options()
+    placement = placement or MeshPlacement(shard=runtime.mesh.axis_names)
+    if not placement.shard:
+        raise ConfigError(
+            f"strategy {strategy!r} shards over no mesh axis (placement "
+            f"{placement.describe()}); name at least one axis in shard=, or use 'dp'"
+        )
+    mesh = runtime.mesh
+    group, shard_ranks = mesh.group_over(placement.shard)
+    replicate_group: dist.ProcessGroup | None = None
+    replicas: tuple[int, ...] = ()
+    if placement.replicate:
+        replicate_group, replicas = mesh.group_over(placement.replicate)
+    world = len(shard_ranks)
+    rank = shard_ranks.index(dist.get_rank())
+    layout = build_layout(
+        module,
+        world,
+        alignment_bytes=options.alignment_bytes,
+        units=group_units(module, min_unit_numel=options.min_unit_numel),
+    )
+    groups = plan_z3.PlanGroups(
+        shard=shard_ranks,
+        shard_axis=mesh.axes_label(placement.shard),
+        replicate=replicas,
+        replicate_axis=mesh.axes_label(placement.replicate) if replicas else "",
+        everyone=tuple(range(runtime.world_size)),
+        everyone_axis=mesh.axes_label(mesh.axis_names),
+    )
+    plan = _build_plan(module, layout, runtime, group, groups, options, strategy)
+    planned = PlannedStep(plan, (("shards", plan_z3.shard_lines(layout)),))
+    preflight = before_first_collective(runtime, planned, module, verify=options.verify)
+    run_log = RunLog(plan)
+    run_broadcast_nodes(run_log, "setup", [*module.parameters(), *module.buffers()], 0, None)
+    sharding = Sharding(
+        runtime, placement, layout, plan, run_log, preflight, group, options.param_dtype
+    )
+    dtensor_mesh, placements = _dtensor_mesh(runtime, placement)
+    places = _places(module)
+    gather_op = _gather_primitive(plan)
+    scatter_op = _scatter_primitive(plan)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's shards as DTensors plus the layout, for ``torch.distributed.checkpoint``."""
-        return shard_state.sharded_state_dict(self)
+    def make_grad(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+        if isinstance(param, DTensor) and local.dtype == param.dtype:
+            # the parameter's own spec (mesh, placements, global shape and stride,
+            # dtype), which _as_dtensor would rebuild, without DTensor.from_local's
+            # autograd function: every parameter, every step (FSDP2 builds its sharded
+            # gradients so too)
+            return DTensor(local, param._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        return _as_dtensor(local, param, dtensor_mesh, placements)
 
-    def load_sharded_state_dict(self, sharded: Mapping[str, Any]) -> None:
-        """Copy a sharded state dict (after ``dcp.load``) back into the shards."""
-        shard_state.load_sharded_state_dict(self, sharded)
+    planned_ids = {n.id for n in plan.nodes}
+    units = []
+    for unit in layout.units:
+        full = {p.name: _param(module, p.name).detach() for p in unit.params}
+        shard = unit.shard_of(full, rank)
+        params = {
+            name: nn.Parameter(
+                _as_dtensor(local, full[name], dtensor_mesh, placements),
+                requires_grad=True,
+            )
+            for name, local in unit.local_views(shard, rank).items()
+        }
+        units.append(
+            UnitState(
+                unit,
+                shard,
+                params,
+                {n: places[n] for n in params},
+                rank,
+                gather_op,
+                group,
+                make_grad,
+                compute_dtype=options.param_dtype,
+                scatter_primitive=scatter_op,
+                nodes={
+                    "fwd": plan_z3.gather_node(unit.name, "fwd"),
+                    "bwd": plan_z3.gather_node(unit.name, "bwd"),
+                    "scatter": plan_z3.scatter_node(unit.name),
+                    "replicate": plan_z3.replicate_node(unit.name),
+                },
+                observer=run_log,
+                replicate_group=replicate_group,
+                replicas=max(1, len(replicas)),
+                keep_for_backward=options.reshard_after_forward
+                and plan_z3.gather_node(unit.name, "bwd") not in planned_ids,
+            )
+        )
+    device = next((u.shard.device for u in units), torch.device("cpu"))
+    engine = Zero3Engine(
+        units, module, options.reshard_after_forward, comm_streams(runtime.handle, device)
+    )
+    engine.observer = run_log
+    sharding.engine = engine
+    for state in units:
+        submodule = _submodule(module, state.layout.name)
+        if submodule is None:
+            sharding.whole_forward.append(state)
+        else:
+            _hook_unit(engine, submodule, state)
+        engine.leave_unit(state)  # the module holds the sharded parameters now
+    cls = type(module)
+    module.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    assert isinstance(module, ShardedModule)
+    module.__dict__["lamina_sharding"] = sharding  # plain state: not a submodule or buffer
+    return module
+
+
+def _hook_unit(engine: Zero3Engine, submodule: nn.Module, state: UnitState) -> None:
+    submodule.register_forward_pre_hook(lambda _m, _a: engine.enter_unit(state))
+    submodule.register_forward_hook(lambda _m, _a, _o: engine.leave_unit(state))
+
+
+def _dtensor_mesh(
+    runtime: Runtime, placement: MeshPlacement
+) -> tuple[TorchDeviceMesh, list[Placement]]:
+    """The torch mesh and placements that describe the shards to DTensor: ``Shard(0)``
+    over the shard axis, ``Replicate()`` over the replica axis (HSDP); a 1-D mesh over
+    the whole job when the shards span every axis of a multi-axis mesh."""
+    mesh = runtime.mesh
+    if not placement.replicate:
+        if len(mesh.axis_names) == 1:
+            return mesh.torch_mesh, [Shard(0)]
+        return init_device_mesh(runtime.backend.device_type, (runtime.world_size,)), [Shard(0)]
+    if len(placement.shard) != 1 or len(placement.replicate) != 1:
+        raise ConfigError(
+            f"placement {placement.describe()}: sharded parameters need one shard axis and "
+            "at most one replica axis; place the strategy on a 2-axis mesh"
+        )
+    return mesh.torch_mesh, [
+        Shard(0) if axis in placement.shard else Replicate() for axis in mesh.axis_names
+    ]
+
+
+def _as_dtensor(
+    local: torch.Tensor, like: torch.Tensor, mesh: TorchDeviceMesh, placements: list[Placement]
+) -> DTensor:
+    """``local`` as this rank's piece of a tensor shaped like ``like``: row-sharded, or
+    replicated for a 0-dim one."""
+    chosen = placements if like.dim() else [Replicate()] * len(placements)
+    return DTensor.from_local(
+        local, mesh, chosen, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _is_sharded(tensor: DTensor) -> bool:
+    return any(isinstance(p, Shard) for p in tensor.placements)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local: torch.Tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local
 
 
 def _build_plan(
@@ -253,13 +355,20 @@ def _build_plan(
 
     def choice(op: str) -> PrimitiveChoice:
         return choose_primitive(
-            op, pg_backend, mode=options.collectives, disable=disabled, unsupported=unsupported
+            op,
+            pg_backend,
+            mode=options.collectives,
+            disable=disabled,
+            unsupported=unsupported,
+            group_size=len(groups.shard),
         )
 
     whole = frozenset(u.name for u in layout.units if _submodule(module, u.name) is None)
     order = [u.name for u in layout.units if u.name in whole]
     order += [u.name for u in layout.units if u.name not in whole]
     param_dtype = options.param_dtype
+    # backward starts with the last unit, and needs the whole-forward ones until its end
+    kept = whole | {order[-1]} if order and options.reshard_after_forward else frozenset()
     return plan_z3.build_zero3_plan(
         plan_z3.Zero3PlanInputs(
             layout=layout,
@@ -274,21 +383,31 @@ def _build_plan(
             compute_dtype=dtype_name(param_dtype) if param_dtype else None,
             reshard_after_forward=options.reshard_after_forward,
             strategy=strategy,
+            kept_for_backward=kept,
         )
     )
+
+
+#: Plan op of a gather / reduce-scatter node -> the engine's primitive.
+_PRIMITIVES: dict[str, Primitive] = {
+    "all_gather": "native",
+    "reduce_scatter": "native",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_to_all": "all_to_all",
+}
 
 
 def _gather_primitive(plan: ExecutionPlan) -> Primitive:
     """The primitive the plan's first gather node uses (all gathers share it)."""
     gathers = [n for n in plan.nodes if n.kind == "gather"]
-    op = gathers[0].attr("primitive") if gathers else "all_gather"
-    return "native" if op == "all_gather" else "all_reduce"
+    return _PRIMITIVES[gathers[0].attr("primitive") if gathers else "all_gather"]
 
 
 def _scatter_primitive(plan: ExecutionPlan) -> Primitive:
+    """The primitive the plan's reduce-scatter nodes use."""
     scatters = [n for n in plan.nodes if n.id.endswith(".reduce_scatter")]
-    op = scatters[0].attr("primitive") if scatters else "reduce_scatter"
-    return "native" if op == "reduce_scatter" else "all_reduce"
+    return _PRIMITIVES[scatters[0].attr("primitive") if scatters else "reduce_scatter"]
 
 
 def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
