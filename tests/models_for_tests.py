@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 # the GPT the examples train (examples/ is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -80,10 +81,20 @@ class KitchenSink(nn.Module):
     divide by 2 or 3 (vocab 19, width 13): an embedding tied to the head, a block called
     twice (``blocks.0``), a block holding a frozen layer (``blocks.1.1``), a block never
     called (``blocks.2``) and a root layer never called (``never``), a BatchNorm, and a
-    forward keyword argument (``temperature``) that changes the output."""
+    forward keyword argument (``temperature``) that changes the output. ``checkpointed``
+    recomputes each block call in backward (``torch.utils.checkpoint``, non-reentrant);
+    ``batchnorm=False`` drops the BatchNorm (whose fp32 running statistics torch's CPU
+    kernel does not mix with bf16 weights, sharded or not)."""
 
-    def __init__(self, vocab: int = 19, width: int = 13) -> None:
+    def __init__(
+        self,
+        vocab: int = 19,
+        width: int = 13,
+        checkpointed: bool = False,
+        batchnorm: bool = True,
+    ) -> None:
         super().__init__()
+        self.checkpointed = checkpointed
         self.embed = nn.Embedding(vocab, width)
         frozen = nn.Linear(width, width).requires_grad_(False)
         self.blocks = nn.ModuleList(
@@ -94,14 +105,21 @@ class KitchenSink(nn.Module):
             ]
         )
         self.never = nn.Linear(width, width)
-        self.norm = nn.BatchNorm1d(width)
+        self.norm: nn.Module = nn.BatchNorm1d(width) if batchnorm else nn.Identity()
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
 
+    def _block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            out: torch.Tensor = checkpoint(self.blocks[k], h, use_reentrant=False)
+            return out
+        out = self.blocks[k](h)
+        return out
+
     def forward(self, idx: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-        h = torch.tanh(self.blocks[0](self.embed(idx)))
-        h = torch.tanh(self.blocks[0](h))  # the same block again
-        h = torch.tanh(self.blocks[1](h))
+        h = torch.tanh(self._block(0, self.embed(idx)))
+        h = torch.tanh(self._block(0, h))  # the same block again
+        h = torch.tanh(self._block(1, h))
         h = self.norm(h.transpose(1, 2)).transpose(1, 2)
         out: torch.Tensor = self.head(h) / temperature
         return out
@@ -114,7 +132,7 @@ def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor,
         vocab = 64 if name == "gpt" else 20
         idx = torch.randint(0, vocab, (size, 16 if name == "gpt" else 6), generator=gen)
         return idx, torch.roll(idx, -1, dims=1)
-    if name == "sink":
+    if name.startswith("sink"):
         idx = torch.randint(0, 19, (size, 5), generator=gen)
         return idx, torch.roll(idx, -1, dims=1)
     if name == "odd":
@@ -139,11 +157,13 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "batchnorm": WithBatchNorm,
         "odd": OddSized,
         "sink": KitchenSink,
+        "sink-checkpointed": lambda: KitchenSink(checkpointed=True),
+        "sink-without-batchnorm": lambda: KitchenSink(batchnorm=False),
     }[name]()
 
 
 def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name in ("gpt", "tied", "sink"):
+    if name in ("gpt", "tied") or name.startswith("sink"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     return F.mse_loss(out, target)
 

@@ -273,12 +273,16 @@ def test_model_without_a_module_list_is_one_root_unit() -> None:
     assert units == [(ROOT_UNIT, ["a.weight", "a.bias", "b.weight", "b.bias"])]
 
 
-def test_frozen_parameters_are_left_out_and_unit_types_pick_units() -> None:
+def test_frozen_parameters_are_grouped_like_the_others_and_unit_types_pick_units() -> None:
     model = TinyGPT()
     model.embed.weight.requires_grad_(False)
     units = dict(group_units(model, min_unit_numel=0, unit_types=(nn.Linear,)))
-    assert "embed.weight" not in units[ROOT_UNIT]
+    assert "embed.weight" in units[ROOT_UNIT]  # sharded like a trained one (as FSDP2 does)
     assert "blocks.0.mlp.0" in units and "blocks.0.ln.weight" in units[ROOT_UNIT]
+    for block in model.blocks:  # a block of frozen parameters only is still a unit
+        block.requires_grad_(False)
+    names = [u for u, _ in group_units(model, min_unit_numel=0)]
+    assert names == [ROOT_UNIT, "blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_a_unit_with_mixed_dtypes_is_split_by_dtype() -> None:

@@ -4,7 +4,9 @@ trains as torch DDP does: the acceptance tests of the FSDP2-style design.
 A "kitchen sink" model (tied weights, a block called twice, a frozen layer, layers never
 called, a BatchNorm, a forward keyword argument), the examples' GPT and a model whose sizes
 never divide evenly train 5 AdamW steps with weight decay on 2 ranks from rank-dependent
-weights; the parameters read through ``model.state_dict()`` must equal DDP's. Weight decay
+weights (the sink also with each block call recomputed in backward, activation
+checkpointing, and in bf16 mixed precision, where only "unused stays unchanged" is
+compared); the parameters read through ``model.state_dict()`` must equal DDP's. Weight decay
 makes a parameter that wrongly gets a (zero) gradient move, so "unused stays unchanged"
 can fail. The optimizer groups ``examples/train_gpt.py`` builds (by shape) and groups built
 by name hold the same parameters under ``zero3`` as under ``dp``. One module-scoped 2-rank
@@ -49,11 +51,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-block-units": ("gpt", {"min_unit_numel": 0}),
     "odd": ("odd", {}),
     "sink-block-units-kept": ("sink", {"min_unit_numel": 0, "reshard_after_forward": False}),
+    # mixed precision: gathered and computed in bf16, gradients reduced in fp32
+    "sink-bf16": ("sink-without-batchnorm", {"min_unit_numel": 0, "param_dtype": torch.bfloat16}),
+    # activation checkpointing: each block call recomputed in backward
+    "sink-checkpointed": ("sink-checkpointed", {"min_unit_numel": 0}),
 }
 
 
 def _forward(name: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = model(x, temperature=0.7) if name == "sink" else model(x)
+    sink = name.startswith("sink")
+    out: torch.Tensor = model(x, temperature=0.7) if sink else model(x)
     return out
 
 
@@ -99,6 +106,7 @@ def _against_ddp(name: str, rank: int, options: dict[str, Any]) -> dict[str, Any
         "without_grad": without_grad,
         "unchanged": sorted(n for n, p in rank0.items() if torch.equal(state[n], p)),
         "plain": sorted(n for n, p in ours.named_parameters() if not isinstance(p, DTensor)),
+        "frozen": sorted(n for n, p in ours.named_parameters() if not p.requires_grad),
         "tied": (_tied(ours), _tied(initial)),
     }
 
@@ -166,6 +174,7 @@ def api_results() -> list[dict[str, Any]]:
         "sink",
         "sink-block-units",
         "sink-block-units-kept",
+        "sink-checkpointed",
         "gpt",
         "gpt-block-units",
         "odd",
@@ -192,6 +201,8 @@ def test_zero3_trains_like_ddp_read_through_state_dict(
         "sink",
         "sink-block-units",
         "sink-block-units-kept",
+        "sink-bf16",
+        "sink-checkpointed",
     ],
 )
 def test_unused_layers_get_no_gradient_and_stay_bitwise_unchanged(
@@ -212,14 +223,18 @@ def test_unused_layers_get_no_gradient_and_stay_bitwise_unchanged(
         "sink",
         "sink-block-units",
         "sink-block-units-kept",
+        "sink-bf16",
+        "sink-checkpointed",
     ],
 )
-def test_frozen_layer_stays_a_plain_unchanged_tensor(
+def test_frozen_layer_is_sharded_and_stays_unchanged(
     case: str, api_results: list[dict[str, Any]]
 ) -> None:
     for result in (r["ddp"][case] for r in api_results):
         assert "error" not in result, result
-        assert result["plain"] == sorted(FROZEN), result  # every trainable one is a DTensor
+        # every parameter is a DTensor, frozen ones too (as FSDP2 shards them: a frozen
+        # base model takes 1/N of its memory per rank), and a frozen one stays frozen
+        assert result["plain"] == [] and result["frozen"] == sorted(FROZEN), result
         # rank 0's initial weights (rank 1's came from the wrap-time broadcast); only the
         # frozen and the unused parameters are left as they started
         assert result["unchanged"] == sorted(FROZEN + UNUSED), result

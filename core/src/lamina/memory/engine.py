@@ -110,6 +110,9 @@ class UnitState:
     #: Kept gathered from its forward to its backward even when the engine reshards
     #: after forward (the plan has no backward gather for it).
     keep_for_backward: bool = False
+    #: Names of the unit's frozen parameters (``requires_grad=False``): gathered for the
+    #: forward, never given a gradient.
+    frozen: frozenset[str] = frozenset()
 
     @property
     def anchor(self) -> torch.Tensor:
@@ -279,14 +282,20 @@ class _GatherUnit(torch.autograd.Function):
         ctx.unit, ctx.engine = unit, engine
         ctx.set_materialize_grads(False)  # None: autograd did not reach that parameter
         full = unit.wait_gather("fwd", engine.streams)
-        return tuple(unit.layout.views(full).values())
+        views = tuple(unit.layout.views(full).values())
+        frozen = [
+            v for v, p in zip(views, unit.layout.params, strict=True) if p.name in unit.frozen
+        ]
+        if frozen:  # no gradient is computed for a frozen parameter, as without sharding
+            ctx.mark_non_differentiable(*frozen)
+        return views
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, None]:  # type: ignore[override]
         unit: UnitState = ctx.unit
         engine: Zero3Engine = ctx.engine
         scatter_in = unit.add_gradients(grads)
-        unit.open_calls -= 1
+        unit.open_calls = max(0, unit.open_calls - 1)
         engine.reached(unit)
         if unit.open_calls > 0:  # called again in the forward: one reduce-scatter, at the end
             unit.pending_grads = scatter_in
@@ -381,7 +390,10 @@ class Zero3Engine:
         if self._recording:
             self._forward_order.append(unit)
         views: tuple[torch.Tensor, ...] = _GatherUnit.apply(unit.anchor, unit, self)  # type: ignore[no-untyped-call]
-        if views[0].requires_grad:  # its backward will run (once per call)
+        if any(v.requires_grad for v in views) and not self._in_backward:
+            # its backward will run, once per call. A forward recomputed during backward
+            # (activation checkpointing) is not a call: autograd only takes the tensors
+            # it saves, and no gradient flows back through it
             unit.open_calls += 1
         self._by_storage[views[0].untyped_storage().data_ptr()] = unit
         nxt = self._next_after(unit)
@@ -470,6 +482,18 @@ class Zero3Engine:
                 unit.flush_scatter(self.streams)
                 unit.release()
         self._in_flight = []
+        self._restore_parameters()
+
+    def _restore_parameters(self) -> None:
+        """Every module holds its sharded parameters again: a forward recomputed during
+        backward (activation checkpointing) may stop early, before a unit's forward hook
+        put them back."""
+        for unit in self.units:
+            for name, places in unit.places.items():
+                for module, attr in places:
+                    if module._parameters[attr] is not unit.params[name]:
+                        module._parameters[attr] = unit.params[name]
+        self._by_storage.clear()
 
     # -- saved tensors --------------------------------------------------------------------
     @contextmanager

@@ -3,8 +3,10 @@
 A unit is a group of parameters that ZeRO-3 keeps in one flat buffer: all-gathered
 before the unit's forward, freed after it. By default each child of the model's block
 container (the first ``nn.ModuleList`` / ``nn.Sequential`` whose children hold
-trainable parameters: the transformer blocks, the MLP layers) is one unit, and every
-other trainable parameter (embeddings, final norm, head) goes to the root unit.
+parameters: the transformer blocks, the MLP layers) is one unit, and every other
+parameter (embeddings, final norm, head) goes to the root unit. Frozen parameters
+(``requires_grad=False``) are sharded too, as FSDP2 shards them: a frozen base model
+takes 1/N of its memory per rank, like a trained one.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ ROOT_UNIT = "(root)"
 DEFAULT_MIN_UNIT_NUMEL = 1 << 16
 
 
-def _has_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _join(prefix: str, name: str) -> str:
@@ -36,7 +38,7 @@ def unit_modules(
     """Qualified names of the modules that become units (before merging small ones).
 
     With ``unit_types``: every outermost submodule of those types (the model itself
-    excluded: the root unit covers it). Without: the children with trainable parameters
+    excluded: the root unit covers it). Without: the children with parameters
     of the first ``nn.ModuleList`` / ``nn.Sequential`` (in ``named_modules()`` order,
     the model itself included) that has such children; none if there is no container.
     """
@@ -51,7 +53,7 @@ def unit_modules(
         return chosen
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = [_join(name, c) for c, m in module.named_children() if _has_trainable(m)]
+            children = [_join(name, c) for c, m in module.named_children() if _has_parameters(m)]
             if children:
                 return children
     return []
@@ -101,7 +103,7 @@ def group_units(
     min_unit_numel: int = DEFAULT_MIN_UNIT_NUMEL,
     unit_types: tuple[type[nn.Module], ...] | None = None,
 ) -> list[tuple[str, list[str]]]:
-    """Group ``model``'s trainable parameters into units: ``[(unit name, [param names])]``.
+    """Group ``model``'s parameters into units: ``[(unit name, [param names])]``.
 
     Units come from :func:`unit_modules`; parameters outside them form ``"(root)"``.
     Block units under ``min_unit_numel`` elements are merged forward with the blocks
@@ -110,19 +112,20 @@ def group_units(
     ``"blocks.0..blocks.2"``). The root unit is never merged: it holds parameters used
     at both ends of the forward (embeddings, final norm, head). Tied parameters appear
     once, under the name ``named_parameters()`` keeps; frozen parameters
-    (``requires_grad=False``) are left out. Parameters keep ``named_parameters()``
-    order within a unit, and units are ordered by their first parameter.
+    (``requires_grad=False``) are grouped like the others. Parameters keep
+    ``named_parameters()`` order within a unit, and units are ordered by their first
+    parameter.
     """
     if min_unit_numel < 0:
         raise ConfigError(f"min_unit_numel must be >= 0, got {min_unit_numel}")
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    position = {name: i for i, (name, _) in enumerate(trainable)}
+    every = list(model.named_parameters())
+    position = {name: i for i, (name, _) in enumerate(every)}
     modules = unit_modules(model, unit_types)
     members: dict[str, list[str]] = {m: [] for m in modules}
     sizes: dict[str, int] = dict.fromkeys(modules, 0)
     root: list[str] = []
     unit_set = set(modules)
-    for name, param in trainable:
+    for name, param in every:
         owner = _owner(name, unit_set)
         if owner is None:
             root.append(name)

@@ -242,10 +242,11 @@ def shard_module(
     for unit in layout.units:
         full = {p.name: _param(module, p.name).detach() for p in unit.params}
         shard = unit.shard_of(full, rank)
+        frozen = frozenset(p.name for p in unit.params if not _param(module, p.name).requires_grad)
         params = {
             name: nn.Parameter(
                 _as_dtensor(local, full[name], dtensor_mesh, placements),
-                requires_grad=True,
+                requires_grad=name not in frozen,
             )
             for name, local in unit.local_views(shard, rank).items()
         }
@@ -272,6 +273,7 @@ def shard_module(
                 replicas=max(1, len(replicas)),
                 keep_for_backward=options.reshard_after_forward
                 and plan_z3.gather_node(unit.name, "bwd") not in planned_ids,
+                frozen=frozen,
             )
         )
     device = next((u.shard.device for u in units), torch.device("cpu"))
@@ -434,7 +436,10 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _submodule(module: nn.Module, name: str) -> nn.Module | None:
-    """The submodule a unit is named after, or None (the root unit, a merged unit)."""
+    """The submodule a unit is named after, or None (the root unit, a merged unit). The
+    units of a block split by dtype (``"blocks.0[bfloat16]"``) are the block's too."""
+    if name.endswith("]") and "[" in name:
+        name = name[: name.rindex("[")]
     if name == ROOT_UNIT:
         return None
     try:
