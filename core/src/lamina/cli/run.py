@@ -1,11 +1,14 @@
 """``lamina run``: torchrun (``torch.distributed.run``) plus ``--backend``.
 
 Every torchrun flag passes through unchanged and torchrun parses it, so its errors and
-its help stay authoritative. lamina adds two things: ``--backend NAME`` (checked against
-the installed backends before any rank starts, then exported as ``LAMINA_BACKEND`` to
-every rank) and, for a single-node job that names no rendezvous, ``--standalone`` so
-that two jobs on one machine never fight over port 29500. Nothing is spawned here:
-torchrun launches, monitors and restarts the ranks.
+its help stay authoritative. lamina adds: ``--backend NAME`` (checked against the
+installed backends before any rank starts, then exported as ``LAMINA_BACKEND`` to every
+rank); under a scheduler (SLURM, a Kubernetes PyTorchJob pod) the rendezvous flags its
+environment implies (:mod:`lamina.launch`), for those the user did not give; for a
+single-node job that names no rendezvous, ``--standalone``, so that two jobs on one
+machine never fight over port 29500; and a one-line error for a script that does not
+exist, before any rank starts. Nothing is spawned here: torchrun launches, monitors and
+restarts the ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lamina.errors import ConfigError
+from lamina.launch import NodeLaunch, detect
 from lamina.plugins import BACKEND_ENV
 
 #: The subcommand's own flag; everything else belongs to torchrun.
@@ -24,6 +29,8 @@ BACKEND_FLAG = "--backend"
 
 #: torchrun destinations that mean "the user chose the rendezvous": no --standalone then.
 _RENDEZVOUS_DESTS = ("rdzv_endpoint", "rdzv_backend", "master_port", "master_addr")
+#: What a scheduler's environment can fill in (flags the user gives win).
+_PLACEMENT_DESTS = (*_RENDEZVOUS_DESTS, "nnodes", "node_rank", "nproc_per_node", "standalone")
 
 _DESCRIPTION = """\
 Launch SCRIPT on every rank with torchrun (torch.distributed.run); not a new launcher.
@@ -35,6 +42,9 @@ Every torchrun flag below is accepted and passed through unchanged. lamina adds:
                   --rdzv-endpoint, --rdzv-backend, --master-addr or --master-port is
                   given (nor their PET_* variables), so two jobs on one machine do not
                   collide on port 29500.
+Under SLURM (srun) or in a Kubernetes PyTorchJob pod, --nnodes, --node-rank,
+--master-addr and --master-port (and --nproc-per-node 1 with one SLURM task per rank)
+come from the scheduler's environment, unless given; see docs/multi-node.md.
 --nproc-per-node defaults to 1, as in torchrun.
 
 example: lamina run --nproc-per-node 2 --backend cpu examples/train_gpt.py --max-steps 30
@@ -48,6 +58,10 @@ class LaunchPlan:
     backend: str | None
     torchrun_argv: list[str]
     added_standalone: bool
+    #: Where the scheduler's environment placed this agent (None: no scheduler).
+    scheduler: NodeLaunch | None = None
+    #: The script file every rank runs (None with ``-m`` or ``--no-python``).
+    script: str | None = None
 
 
 def build_run_parser(prog: str = "lamina run") -> argparse.ArgumentParser:
@@ -94,13 +108,25 @@ def strip_backend(argv: Sequence[str], n_script_tokens: int) -> list[str]:
     return kept + list(argv[split:])
 
 
-def _explicit(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The rendezvous destinations given on the command line or as ``PET_*`` variables."""
-    parser.set_defaults(**{dest: None for dest in _RENDEZVOUS_DESTS})
+def _explicit(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    dests: Sequence[str] = _RENDEZVOUS_DESTS,
+) -> set[str]:
+    """The ``dests`` given on the command line or as torchrun's ``PET_*`` variables."""
+    parser.set_defaults(**{dest: None for dest in dests})
     namespace = parser.parse_args(list(argv))
-    given = {d for d in _RENDEZVOUS_DESTS if getattr(namespace, d, None) not in (None, "")}
-    given |= {d for d in _RENDEZVOUS_DESTS if os.environ.get(f"PET_{d.upper()}")}
+    given = {d for d in dests if getattr(namespace, d, None) not in (None, "", False)}
+    given |= {d for d in dests if os.environ.get(f"PET_{d.upper()}")}
     return given
+
+
+def check_script(script: str | None) -> None:
+    """A script that does not exist is one line here, not a failure on every rank."""
+    if script is not None and not os.path.isfile(script):
+        raise ConfigError(
+            f"script {script!r} does not exist; pass the path of a Python file (or -m MODULE)"
+        )
 
 
 def _single_node(nnodes: str) -> bool:
@@ -113,20 +139,27 @@ def _single_node(nnodes: str) -> bool:
     return bool(max_nodes == 1)
 
 
-def plan_launch(argv: Sequence[str]) -> LaunchPlan:
-    """Parse ``lamina run`` arguments into a :class:`LaunchPlan` (argparse exits on errors)."""
+def plan_launch(argv: Sequence[str], environ: dict[str, str] | None = None) -> LaunchPlan:
+    """Parse ``lamina run`` arguments into a :class:`LaunchPlan` (argparse exits on
+    errors); ``environ`` (default: this process's) is read for a scheduler's placement."""
     parser = build_run_parser()
     args: Any = parser.parse_args(list(argv))
+    script = None if args.module or args.no_python else str(args.training_script)
     script_tokens = 1 + len(args.training_script_args)
     torchrun_argv = strip_backend(argv, script_tokens)
+    given = _explicit(build_run_parser(), argv, _PLACEMENT_DESTS)
+    scheduler = None
+    if not given & {"standalone", "rdzv_endpoint", "rdzv_backend"}:
+        scheduler = detect(dict(os.environ) if environ is None else environ)
+    if scheduler is not None:
+        torchrun_argv[:0] = scheduler.torchrun_flags(given)
+        return LaunchPlan(args.backend, torchrun_argv, False, scheduler, script)
     add_standalone = (
-        not args.standalone
-        and _single_node(args.nnodes)
-        and not _explicit(build_run_parser(), argv)
+        not args.standalone and _single_node(args.nnodes) and not (given & set(_RENDEZVOUS_DESTS))
     )
     if add_standalone:
         torchrun_argv.insert(0, "--standalone")
-    return LaunchPlan(args.backend, torchrun_argv, add_standalone)
+    return LaunchPlan(args.backend, torchrun_argv, add_standalone, None, script)
 
 
 def check_backend(name: str) -> str:
@@ -168,6 +201,9 @@ def run_command(args: argparse.Namespace) -> int:
     requested = plan.backend if plan.backend is not None else os.environ.get(BACKEND_ENV)
     if requested:
         check_backend(requested.strip())
+    check_script(plan.script)
+    if plan.scheduler is not None:
+        print(f"lamina run: {plan.scheduler.describe()}", file=sys.stderr, flush=True)
     return launch(plan)
 
 

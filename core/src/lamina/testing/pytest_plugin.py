@@ -116,6 +116,11 @@ LAUNCH_VARIABLES = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    # a scheduler's job step (lamina run reads them: lamina.launch)
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_PROCID",
+    "SLURM_NODEID",
 )
 
 

@@ -1,0 +1,281 @@
+"""``lamina emulate``: hosts in network namespaces joined by shaped links, each starting its
+share of the job through the SLURM launch path; always torn down.
+
+The cluster tests need root (network namespaces) and iproute2; without them they skip
+with that reason. Each rank writes what it saw to a file (ranks of one host share one
+stdout, so printed lines may interleave).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lamina.emulate import EmulateOptions, ours, parse_link, remove_stale, task_environments
+from lamina.emulate.cluster import command_argv
+from lamina.errors import ConfigError
+from lamina.testing.cli import run_lamina
+
+RANK_SCRIPT = """\
+import json, os, socket, subprocess, sys, time
+import torch, torch.distributed as dist
+import lamina
+
+out = sys.argv[1]
+rt = lamina.init(mesh="topology" if "--topology-mesh" in sys.argv else "flat")
+value = torch.tensor([float(rt.rank + 1)])
+dist.all_reduce(value)
+qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True)
+record = {
+    "rank": rt.rank, "world": rt.world_size, "host": socket.gethostname(),
+    "sum": value.item(), "qdisc": qdisc.stdout, "pid": os.getpid(),
+    "mesh": list(rt.mesh.lines()),
+}
+with open(os.path.join(out, f"rank{rt.rank}.json"), "w") as f:
+    json.dump(record, f)
+if "--fail-rank" in sys.argv and rt.rank == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
+    sys.exit(3)
+if "--sleep" in sys.argv:
+    time.sleep(float(sys.argv[sys.argv.index("--sleep") + 1]))
+lamina.shutdown()
+"""
+
+
+# -- without a cluster --------------------------------------------------------------------
+def test_links_parse_with_delay_and_loss() -> None:
+    link = parse_link("200mbit")
+    assert (link.rate, link.delay, link.loss, link.bits_per_second) == ("200mbit", None, None, 2e8)
+    assert link.qdisc_commands("eth0")[0][:7] == [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        "eth0",
+        "root",
+        "handle",
+    ]
+    shaped = parse_link("1gbit,delay=2ms,loss=0.1%")
+    assert (shaped.delay, shaped.loss) == ("2ms", "0.1%")
+    netem, tbf = shaped.qdisc_commands("h0")
+    assert "netem" in netem and "delay" in netem and "loss" in netem
+    assert tbf[tbf.index("rate") + 1] == "1gbit" and "parent" in tbf
+    assert shaped.describe() == "1gbit, delay 2ms, loss 0.1%"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fast", "--link 'fast': 'fast' is not a rate; e.g. 200mbit or 1gbit,delay=2ms,loss=0.1%"),
+        ("0mbit", "--link '0mbit': '0mbit' is not a rate; "
+         "e.g. 200mbit or 1gbit,delay=2ms,loss=0.1%"),
+        ("1gbit,jitter=2ms", "--link '1gbit,jitter=2ms': 'jitter=2ms' is not delay=D or loss=L; "
+         "e.g. 200mbit or 1gbit,delay=2ms,loss=0.1%"),
+        ("1gbit,delay=2", "--link '1gbit,delay=2': delay='2' is not a time like 2ms or 500us"),
+        ("1gbit,loss=5", "--link '1gbit,loss=5': loss='5' is not a percentage like 0.1%"),
+        ("1gbit,loss=101%", "--link '1gbit,loss=101%': loss=101% is over 100%"),
+        ("1gbit,loss=1%,loss=2%", "--link '1gbit,loss=1%,loss=2%' gives loss twice; give it once"),
+    ],
+)  # fmt: skip
+def test_malformed_links_are_named(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_link(text)
+    assert str(excinfo.value) == message
+
+
+def test_interleaved_tasks_are_numbered_round_robin_as_srun_cyclic() -> None:
+    options = EmulateOptions(2, 2, parse_link("1gbit"), ("x.py",), "interleaved")
+    tasks = task_environments(options, job_id=7)
+    assert [(h, env["SLURM_PROCID"]) for h, env in tasks] == [
+        (0, "0"), (0, "2"), (1, "1"), (1, "3"),
+    ]  # fmt: skip
+    assert {env["SLURM_NTASKS_PER_NODE"] for _, env in tasks} == {"2"}
+    assert tasks[0][1]["SLURM_JOB_NODELIST"] == "lamina-h[0-1]"
+    ordered = task_environments(EmulateOptions(2, 2, parse_link("1gbit"), ("x.py",)), job_id=7)
+    assert [(h, env["SLURM_NODEID"], env["SLURM_NTASKS_PER_NODE"]) for h, env in ordered] == [
+        (0, "0", "1"), (1, "1", "1"),
+    ]  # fmt: skip
+
+
+def test_bad_options_are_named(tmp_path: Path) -> None:
+    link = parse_link("1gbit")
+    with pytest.raises(ConfigError, match=r"--rank-order 'random' is not one of"):
+        EmulateOptions(2, 1, link, ("x.py",), "random")
+    with pytest.raises(ConfigError, match=r"no command after --"):
+        EmulateOptions(2, 1, link, ())
+    with pytest.raises(ConfigError, match=r"--nproc-per-host 0 must be >= 1"):
+        EmulateOptions(2, 0, link, ("x.py",))
+    missing = str(tmp_path / "missing.py")
+    with pytest.raises(ConfigError) as excinfo:
+        command_argv([missing])
+    assert (
+        str(excinfo.value) == f"script {missing!r} does not exist; pass the path of a Python file"
+    )
+
+
+# -- on an emulated cluster (root) ---------------------------------------------------------
+def _cluster_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "lamina emulate needs root (network namespaces)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "lamina emulate needs iproute2 (ip, tc)"
+    return None
+
+
+needs_cluster = pytest.mark.skipif(
+    _cluster_unavailable() is not None, reason=_cluster_unavailable() or ""
+)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "ranks.py"
+    path.write_text(RANK_SCRIPT)
+    return path
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[None]:
+    """Fails a test that leaves namespaces behind; removes them either way."""
+    yield
+    left = ours()
+    remove_stale()
+    assert left == [], f"namespaces left behind: {left}"
+
+
+def _records(out: Path) -> dict[int, dict[str, object]]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
+
+
+def _emulate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return run_lamina("emulate", *args, timeout=timeout)
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_interleaved_ranks_run_on_their_hosts_and_the_mesh_groups_them_by_host(
+    script: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _emulate(
+        "--hosts", "2", "--nproc-per-host", "2", "--link", "200mbit", "--rank-order",
+        "interleaved", "--", str(script), str(out), "--topology-mesh",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = _records(out)
+    assert sorted(records) == [0, 1, 2, 3]
+    hosts = {rank: r["host"] for rank, r in records.items()}
+    assert hosts == {0: "lamina-h0", 1: "lamina-h1", 2: "lamina-h0", 3: "lamina-h1"}
+    assert all(r["sum"] == 10.0 and r["world"] == 4 for r in records.values())  # 1+2+3+4
+    assert "tbf" in str(records[0]["qdisc"]) and "rate 200Mbit" in str(records[0]["qdisc"])
+    # hosts are recognised by host name: the mesh's rows (intra) are the hosts' ranks
+    for record in records.values():
+        assert "ranks=[[0, 2], [1, 3]]" in record["mesh"], record["mesh"]
+    assert "slurm: node 2 of 4 starts 1 rank(s); rendezvous lamina-h0:" in result.stdout
+    assert "cannot be retrieved" not in result.stdout  # host names resolve in both forms
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_a_failing_rank_ends_the_job_and_its_host_log_is_printed(
+    script: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _emulate(
+        "--hosts", "2", "--nproc-per-host", "1", "--link", "1gbit",
+        "--", str(script), str(out), "--fail-rank", "1",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert sorted(_records(out)) == [0, 1]  # both ran; the ordered ranks sit host by host
+    assert "--- lamina-h1 (exit" in result.stderr, result.stderr
+
+
+def _has_netem() -> bool:
+    probe = subprocess.run(
+        ["sh", "-c", "ip netns add lamina-netem-probe && ip netns exec lamina-netem-probe "
+         "tc qdisc add dev lo root netem delay 1ms; status=$?; "
+         "ip netns del lamina-netem-probe; exit $status"],
+        capture_output=True,
+        check=False,
+    )  # fmt: skip
+    return probe.returncode == 0
+
+
+@needs_cluster
+@pytest.mark.timeout(120)
+def test_delay_and_loss_work_or_say_the_kernel_lacks_netem(
+    script: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    result = _emulate(
+        "--hosts", "2", "--link", "1gbit,delay=1ms,loss=0%", "--", str(script), str(tmp_path)
+    )  # fmt: skip
+    if _has_netem():
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "netem" in str(_records(tmp_path)[0]["qdisc"])
+    else:  # this machine's kernel: one line, nothing started, nothing left
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            "lamina: error: this kernel has no netem qdisc (sch_netem), which --link delay= "
+            "and loss= need; drop them (the rate alone needs only tbf) or load the module"
+        ]
+        assert _records(tmp_path) == {}
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_a_run_past_its_timeout_is_stopped(
+    script: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    started = time.monotonic()
+    result = _emulate(
+        "--hosts", "2", "--link", "1gbit", "--timeout", "25",
+        "--", str(script), str(out), "--sleep", "600",
+    )  # fmt: skip
+    assert result.returncode == 124, result.stdout + result.stderr
+    assert "still running after 25 s; stopping every host" in result.stderr
+    assert time.monotonic() - started < 120
+    for record in _records(out).values():  # the sleeping ranks are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(str(record["pid"])), 0)
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_the_next_run_removes_what_a_killed_emulator_left(
+    script: Path, tmp_path: Path, no_leftovers: None
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "lamina.cli.main", "emulate", "--hosts", "2", "--link",
+         "1gbit", "--", str(script), str(out), "--sleep", "600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(_records(out)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(_records(out)) == 2, "the ranks did not start"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    stale = [n for n in ours() if f"-{killed.pid}-" in n]
+    assert len(stale) == 3  # two hosts and the switch, with the ranks still inside
+    result = _emulate("--hosts", "1", "--link", "1gbit", "--", str(script), str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "removed 3 stale namespace(s) of a killed run" in result.stdout
+    assert not [n for n in ours() if f"-{killed.pid}-" in n]
+    for record in _records(out).values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(str(record["pid"])), 0)
