@@ -50,6 +50,40 @@ lamina.shutdown()
 """
 
 
+TRAIN_SCRIPT = """\
+import sys
+sys.path.insert(0, {examples!r})
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import lamina
+from _gpt_model import GPT, GPTConfig, lm_loss
+
+out = sys.argv[1]
+rt = lamina.init(mesh="topology")  # inter x intra from the hosts
+# lr 1e-3: Adam turns fp32 rounding-order differences of near-zero gradients (another
+# ring order over the hosts) into parameter differences of up to ~lr x 1e-3
+for strategy in ("dp", "zero3", "hsdp"):
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=40, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    model = lamina.distribute(net, strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + rt.rank)  # the rank's share
+        idx = torch.randint(0, 40, (4, 17), generator=gen)
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)
+    if rt.is_main:
+        torch.save({{"state": full, "losses": losses}}, f"{{out}}/{{strategy}}.pt")
+lamina.shutdown()
+"""
+
+
 # -- without a cluster --------------------------------------------------------------------
 def test_links_parse_with_delay_and_loss() -> None:
     link = parse_link("200mbit")
@@ -182,6 +216,54 @@ def test_interleaved_ranks_run_on_their_hosts_and_the_mesh_groups_them_by_host(
         assert "ranks=[[0, 2], [1, 3]]" in record["mesh"], record["mesh"]
     assert "slurm: node 2 of 4 starts 1 rank(s); rendezvous lamina-h0:" in result.stdout
     assert "cannot be retrieved" not in result.stdout  # host names resolve in both forms
+
+
+@needs_cluster
+@pytest.mark.timeout(400)
+def test_training_on_two_emulated_hosts_matches_one_host(
+    tmp_path: Path, no_leftovers: None
+) -> None:
+    import torch
+
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    train = tmp_path / "train.py"
+    train.write_text(TRAIN_SCRIPT.format(examples=examples))
+    emulated, one_host = tmp_path / "emulated", tmp_path / "one_host"
+    emulated.mkdir()
+    one_host.mkdir()
+    result = _emulate(
+        "--hosts", "2", "--nproc-per-host", "2", "--link", "200mbit", "--rank-order",
+        "interleaved", "--", str(train), str(emulated),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    local = run_lamina("run", "--nproc-per-node", "4", str(train), str(one_host), timeout=240)
+    assert local.returncode == 0, local.stdout + local.stderr
+    for strategy in ("dp", "zero3", "hsdp"):
+        ours = torch.load(emulated / f"{strategy}.pt")
+        reference = torch.load(one_host / f"{strategy}.pt")
+        assert ours["losses"][-1] < ours["losses"][0], ours["losses"]  # it learns
+        assert ours["state"].keys() == reference["state"].keys()
+        for key, value in reference["state"].items():
+            diff = (ours["state"][key] - value).abs().max().item()
+            assert diff <= 1e-5, (strategy, key, diff)
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_bench_collectives_runs_unchanged_on_the_emulated_hosts(
+    tmp_path: Path, no_leftovers: None
+) -> None:
+    out = tmp_path / "bench.json"
+    result = _emulate(
+        "--hosts", "2", "--nproc-per-host", "2", "--link", "1gbit", "--rank-order",
+        "interleaved", "--", "lamina", "bench", "collectives", "--ops", "all_reduce",
+        "--min-bytes", "64K", "--max-bytes", "64K", "--iters", "2", "--warmup", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    bench = json.loads(out.read_text())
+    assert bench["world_size"] == 4 and bench["collective_backend"] == "gloo"
+    assert [r["op"] for r in bench["results"]] == ["all_reduce"]
 
 
 @needs_cluster
