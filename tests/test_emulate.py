@@ -268,6 +268,33 @@ def test_bench_collectives_runs_unchanged_on_the_emulated_hosts(
 
 @needs_cluster
 @pytest.mark.timeout(300)
+def test_topo_probe_measures_the_shaped_link_and_groups_ranks_by_host(
+    tmp_path: Path, no_leftovers: None
+) -> None:
+    from lamina.device.topology_file import load_topology
+
+    out = tmp_path / "measured.json"
+    result = _emulate(
+        "--hosts", "2", "--nproc-per-host", "2", "--link", "200mbit", "--rank-order",
+        "interleaved", "--", "lamina", "topo", "probe", "--output", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    topology = load_topology(out)
+    assert [(d.rank, d.host, d.local_rank) for d in topology.devices] == [
+        (0, "lamina-h0", 0), (1, "lamina-h1", 0), (2, "lamina-h0", 1), (3, "lamina-h1", 1),
+    ]  # fmt: skip
+    assert sorted(d.ranks for d in topology.fast_domains) == [(0, 2), (1, 3)]
+    network = topology.link(0, 1)
+    assert network.source == "measured" and network.kind == "network"
+    assert topology.link(2, 3) == network == topology.default_link
+    mbit = network.bandwidth_gbps * 8e3
+    assert 170 <= mbit <= 230, mbit  # the shaped 200 Mbit/s within 15%
+    assert topology.link(0, 2).source == "measured" and topology.link(0, 2).kind != "network"
+    assert "lamina-h0       lamina-h1       network" in result.stdout
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
 def test_a_failing_rank_ends_the_job_and_its_host_log_is_printed(
     script: Path, tmp_path: Path, no_leftovers: None
 ) -> None:

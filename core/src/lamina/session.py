@@ -135,8 +135,10 @@ def init(
     initializes torch.distributed with the backend's collective backend (reusing a
     process group the caller already created), sets this rank's device, builds the
     global topology (declared file from ``topology`` / ``$LAMINA_TOPOLOGY``, else
-    discovered per rank and merged) and the device mesh: ``"flat"`` (one axis ``dp``),
-    ``"topology"`` (``inter`` x ``intra`` from fast domains) or ``(shape, axis_names)``.
+    discovered per rank and merged; ``"probe"``: discovered, then every host pair's link
+    measured with send/recv, :mod:`lamina.device.probe`) and the device mesh:
+    ``"flat"`` (one axis ``dp``), ``"topology"`` (``inter`` x ``intra`` from fast
+    domains) or ``(shape, axis_names)``.
     Calling it again returns the same runtime.
     """
     global _RUNTIME
@@ -265,6 +267,10 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
     return True
 
 
+#: ``topology="probe"`` (or ``$LAMINA_TOPOLOGY=probe``): discover, then measure the links.
+PROBE = "probe"
+
+
 def _build_topology(
     declared: str | Path | Topology | None,
     backend: Backend,
@@ -275,7 +281,7 @@ def _build_topology(
     source = declared if declared is not None else os.environ.get(TOPOLOGY_ENV) or None
     if isinstance(source, Topology):
         topo = source
-    elif source is not None:
+    elif source is not None and str(source) != PROBE:
         topo = load_topology(source)
     else:
         piece = _discover_host(backend, plugins, launch)
@@ -283,7 +289,12 @@ def _build_topology(
             return merge_host_topologies([piece])
         pieces: list[HostTopology | None] = [None] * launch.world_size
         dist.all_gather_object(pieces, piece, group=control)
-        return merge_host_topologies([p for p in pieces if p is not None])
+        merged = merge_host_topologies([p for p in pieces if p is not None])
+        if source is None:
+            return merged
+        from lamina.device.probe import probe_topology
+
+        return probe_topology(merged, launch.rank, group=control)
     if topo.world_size != launch.world_size:
         raise ConfigError(
             f"topology {source} declares {topo.world_size} ranks but WORLD_SIZE is "

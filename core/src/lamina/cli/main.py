@@ -14,6 +14,7 @@ from lamina.cli.emulate import add_emulate_parser
 from lamina.cli.plan import add_plan_parsers
 from lamina.cli.plugin import add_plugin_parser
 from lamina.cli.run import add_run_parser
+from lamina.cli.topo import add_topo_parser
 from lamina.cli.trace import add_trace_parser
 from lamina.errors import LaminaError
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_plugin_parser(sub)
     add_emulate_parser(sub)
+    add_topo_parser(sub)
     return parser
 
 

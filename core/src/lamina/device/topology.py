@@ -167,13 +167,32 @@ def merge_host_topologies(
 ) -> Topology:
     """Combine the per-rank :class:`HostTopology` (index = rank) into one :class:`Topology`.
 
+    Ranks are placed on hosts by host name. When a host's ranks report the same local
+    rank (one launcher task per rank), each host's ranks are numbered in rank order.
+
     Ranks on the same host are linked by the host's discovered link between their device
     indices, or by the host's ``intra_host_default``. Each host's ``fast_groups`` become
     fast domains (the whole host when it declares none). Ranks on different hosts use
     ``default_link``.
     """
+    position: dict[int, int] = {}  # a rank's index among its host's ranks
+    seen: dict[str, int] = {}
+    for rank, p in enumerate(pieces):
+        position[rank] = seen.get(p.host, 0)
+        seen[p.host] = position[rank] + 1
+    local_ranks = [(p.host, p.local_rank) for p in pieces]
+    # one launcher task per rank (SLURM's, interleaved hosts) gives every rank local rank
+    # 0: the host name is what places a rank, so number each host's ranks in rank order
+    renumber = len(set(local_ranks)) != len(local_ranks)
     devices = tuple(
-        DeviceInfo(rank, p.local_rank, p.host, p.device_type, p.device_index, p.numa_node)
+        DeviceInfo(
+            rank,
+            position[rank] if renumber else p.local_rank,
+            p.host,
+            p.device_type,
+            p.device_index,
+            p.numa_node,
+        )
         for rank, p in enumerate(pieces)
     )
     links: list[Link] = []

@@ -1,0 +1,104 @@
+"""``lamina topo probe``: measure the links between hosts and inside them, write a topology.
+
+Launches this module on every rank with torchrun (through ``lamina run``'s launch
+planning: under SLURM or ``lamina emulate`` it joins the job's rendezvous on every
+host). Each rank joins the job, discovers its host, and the ranks measure one pair per
+pair of hosts and one pair inside each host (:mod:`lamina.device.probe`); rank 0 prints
+the links and writes the topology file, which ``LAMINA_TOPOLOGY=FILE`` (or
+``lamina.init(topology=FILE)``) then uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lamina.errors import ConfigError
+
+RANK_MODULE = "lamina.cli.topo"
+
+
+def _size(text: str) -> int:
+    from lamina.bench.collectives import parse_size
+
+    return parse_size(text)
+
+
+def probe_command(args: argparse.Namespace) -> int:
+    """Check the options, then launch the probe on every rank."""
+    from lamina.cli.run import launch, plan_launch
+
+    nbytes = _size(args.bytes)
+    if nbytes < 4 or args.iters < 1:
+        raise ConfigError("--bytes must be at least 4 and --iters at least 1")
+    output = Path(args.output).resolve()
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {args.output!r}: directory {output.parent} does not exist")
+    nproc = [] if args.nproc_per_node is None else ["--nproc-per-node", str(args.nproc_per_node)]
+    forwarded = ["--bytes", str(nbytes), "--iters", str(args.iters), "--output", str(output)]
+    plan = plan_launch([*nproc, "-m", RANK_MODULE, *forwarded])
+    return launch(dataclasses.replace(plan, backend=args.backend))
+
+
+def rank_main(argv: Sequence[str] | None = None) -> int:
+    """What every rank runs: join, probe, rank 0 prints and writes the topology."""
+    parser = argparse.ArgumentParser(prog=RANK_MODULE)
+    parser.add_argument("--bytes", type=int, required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    import lamina
+    from lamina.device.probe import link_rows, probe_topology
+    from lamina.device.topology_file import save_topology
+
+    with lamina.init() as rt:
+        topology = probe_topology(
+            rt.topology, rt.rank, nbytes=args.bytes, iters=args.iters, group=None
+        )
+        if rt.is_main:
+            hosts = sorted({d.host for d in topology.devices})
+            print(f"lamina topo probe: {rt.world_size} rank(s) on {len(hosts)} host(s)")
+            print(
+                f"{'host a':16}{'host b':16}{'kind':9}{'Mbit/s':>10}{'GB/s':>10}{'latency us':>12}"
+            )
+            for a, b, profile in link_rows(topology):
+                mbit = profile.bandwidth_gbps * 8e3
+                print(
+                    f"{a:16}{b:16}{profile.kind:9}{mbit:10.1f}{profile.bandwidth_gbps:10.4f}"
+                    f"{profile.latency_us:12.1f}"
+                )
+            save_topology(topology, args.output)
+            print(f"wrote {args.output} (use it with LAMINA_TOPOLOGY={args.output})")
+    return 0
+
+
+def add_topo_parser(subparsers: Any) -> None:
+    """Register ``topo`` (with its ``probe`` subcommand) on the ``lamina`` parsers."""
+    topo = subparsers.add_parser("topo", help="measure the job's topology")
+    kinds = topo.add_subparsers(dest="topo_command", required=True, metavar="COMMAND")
+    probe = kinds.add_parser(
+        "probe",
+        help="measure bandwidth and latency between hosts and inside them; write a topology",
+        description="Measure one rank pair per pair of hosts and one inside each host with "
+        "send/recv, then write a topology file with the measured links.",
+    )
+    probe.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks on this node (default 1, or one per task under SLURM's one task per rank)",
+    )
+    probe.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
+    probe.add_argument("--bytes", default="8M", metavar="SIZE", help="bytes per transfer (8M)")
+    probe.add_argument("--iters", type=int, default=3, metavar="N", help="timed transfers (3)")
+    probe.add_argument("--output", default="topology.json", metavar="FILE", help="topology file")
+    probe.set_defaults(func=probe_command)
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())
