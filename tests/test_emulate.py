@@ -25,6 +25,23 @@ from lamina.emulate.cluster import command_argv
 from lamina.errors import ConfigError
 from lamina.testing.cli import run_lamina
 
+#: Steps forever: an all-reduce, a line, a pause (a fault has to end it).
+STEPPING_SCRIPT = """\
+import time
+import torch, torch.distributed as dist
+import lamina
+
+rt = lamina.init()
+x = torch.ones(1 << 16)
+step = 0
+while True:
+    step += 1
+    dist.all_reduce(x)
+    x.fill_(1.0)
+    print(f"rank {rt.rank} step {step}", flush=True)
+    time.sleep(0.2)
+"""
+
 RANK_SCRIPT = """\
 import json, os, socket, subprocess, sys, time
 import torch, torch.distributed as dist
@@ -155,6 +172,30 @@ def test_bad_options_are_named(tmp_path: Path) -> None:
     )
 
 
+NO_TRIGGER = "--fault 'kill:1' needs one trigger: --fault-at S or --fault-on TEXT"
+
+
+@pytest.mark.parametrize(
+    ("text", "at", "on", "message"),
+    [
+        ("cut", 5.0, None, "--fault 'cut' is not KIND:HOST; use cut:1 or kill:1"),
+        ("drop:1", 5.0, None, "--fault 'drop:1' is not KIND:HOST; use cut:1 or kill:1"),
+        ("cut:2", 5.0, None, "--fault 'cut:2': there is no host 2 (hosts 0-1)"),
+        ("kill:1", None, None, NO_TRIGGER),
+        ("kill:1", 1.0, "x", NO_TRIGGER),
+        ("kill:1", -1.0, None, "--fault-at -1.0 must be >= 0 seconds"),
+    ],
+)  # fmt: skip
+def test_malformed_faults_are_named(
+    text: str, at: float | None, on: str | None, message: str
+) -> None:
+    from lamina.emulate.faults import parse_fault
+
+    with pytest.raises(ConfigError) as excinfo:
+        parse_fault(text, 2, at, on)
+    assert str(excinfo.value) == message
+
+
 # -- on an emulated cluster (root) ---------------------------------------------------------
 def _cluster_unavailable() -> str | None:
     if os.geteuid() != 0:
@@ -176,11 +217,26 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+def _left_behind() -> list[str]:
+    """Namespaces whose emulator has ended (another emulator running now is not ours)."""
+    from lamina.emulate.netns import PREFIX
+
+    def ended(name: str) -> bool:
+        owner = name[len(PREFIX) :].split("-", 1)[0]
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    return [n for n in ours() if ended(n)]
+
+
 @pytest.fixture
 def no_leftovers() -> Iterator[None]:
     """Fails a test that leaves namespaces behind; removes them either way."""
     yield
-    left = ours()
+    left = _left_behind()
     remove_stale()
     assert left == [], f"namespaces left behind: {left}"
 
@@ -291,6 +347,59 @@ def test_topo_probe_measures_the_shaped_link_and_groups_ranks_by_host(
     assert 170 <= mbit <= 230, mbit  # the shaped 200 Mbit/s within 15%
     assert topology.link(0, 2).source == "measured" and topology.link(0, 2).kind != "network"
     assert "lamina-h0       lamina-h1       network" in result.stdout
+
+
+def _after_fault(output: str) -> float:
+    """Seconds from the fault to the job's end, as the emulator reports them."""
+    line = next(x for x in output.splitlines() if "the job ended" in x)
+    return float(line.split("the job ended ")[1].split(" s")[0])
+
+
+#: The watchdog's timeout in the fault tests; the job must end within it + 20 s (measured
+#: here: a cut 16 s after the fault, a kill 3 s; the bound is 3x the cut's).
+WATCHDOG_S = 10
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("fault", "per_host", "diagnosis"),
+    [
+        (
+            "cut:1",
+            1,
+            "PROBLEM: rank(s) [1] on host(s) lamina-h1 could not reach the job's store on "
+            "lamina-h0 when their watchdog fired: the network between them and lamina-h0 "
+            "failed",
+        ),
+        (
+            "kill:1",
+            2,
+            "PROBLEM: no trace from rank(s) [2, 3] on host(s) lamina-h1: it died or never traced",
+        ),
+    ],
+)
+def test_a_cut_link_or_a_killed_host_ends_the_job_and_is_named(
+    fault: str, per_host: int, diagnosis: str, tmp_path: Path, no_leftovers: None
+) -> None:
+    stepping = tmp_path / "stepping.py"
+    stepping.write_text(STEPPING_SCRIPT)
+    traces = tmp_path / "traces"
+    env = {
+        "LAMINA_TRACE": str(traces),
+        "LAMINA_TRACE_USER": "1",
+        "LAMINA_COLLECTIVE_TIMEOUT": str(WATCHDOG_S),
+    }
+    result = run_lamina(
+        "emulate", "--hosts", "2", "--nproc-per-host", str(per_host), "--link", "1gbit",
+        "--fault", fault, "--fault-on", "step 3", "--timeout", "200", "--", str(stepping),
+        env=env, timeout=280,
+    )  # fmt: skip
+    assert result.returncode not in (0, 124), result.stdout + result.stderr
+    assert "lamina emulate: fault:" in result.stderr
+    assert _after_fault(result.stdout) <= 3 * 16, result.stdout[-2000:]
+    diagnosed = run_lamina("trace", "diagnose", str(traces))
+    assert diagnosis in diagnosed.stdout, diagnosed.stdout + diagnosed.stderr
 
 
 @needs_cluster

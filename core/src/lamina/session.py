@@ -174,6 +174,9 @@ def init(
             chosen.name,
             str(dist.get_backend()) if dist.is_initialized() else "none",
         )
+        active = get_recorder()
+        if active is not None:  # dumps name each rank's host (a failed host is then named)
+            active.hosts = {d.rank: d.host for d in topo.devices}
         user_collectives.install_from_env(get_recorder())
         watchdog.start_from_env(get_recorder())
     except BaseException:

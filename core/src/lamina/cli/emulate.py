@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lamina.errors import ConfigError
+
 _EPILOG = """\
 Each host is a network namespace with its own host name; hosts reach each other only
 through their shaped uplink (tc: a token bucket at RATE, netem for delay and loss), ranks
@@ -20,7 +22,13 @@ example:
 
 def _emulate_command(args: argparse.Namespace) -> int:
     from lamina.emulate import EmulateOptions, parse_link, run_emulated
+    from lamina.emulate.faults import parse_fault
 
+    fault = None
+    if args.fault is not None:
+        fault = parse_fault(args.fault, args.hosts, args.fault_at, args.fault_on)
+    elif args.fault_at is not None or args.fault_on is not None:
+        raise ConfigError("--fault-at / --fault-on need --fault KIND:HOST (cut:1 or kill:1)")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -31,6 +39,7 @@ def _emulate_command(args: argparse.Namespace) -> int:
         command=tuple(command),
         rank_order=args.rank_order,
         timeout_s=args.timeout,
+        fault=fault,
     )
     return run_emulated(options)
 
@@ -63,6 +72,21 @@ def add_emulate_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds before every host is stopped"
+    )
+    parser.add_argument(
+        "--fault",
+        metavar="KIND:HOST",
+        default=None,
+        help="inject a fault: cut:H takes host H's link down, kill:H kills every process on host H",
+    )
+    parser.add_argument(
+        "--fault-at", type=float, default=None, metavar="S", help="fire it S seconds in"
+    )
+    parser.add_argument(
+        "--fault-on",
+        default=None,
+        metavar="TEXT",
+        help="fire it when a task first prints a line containing TEXT (e.g. 'step 3')",
     )
     parser.add_argument(
         "command",

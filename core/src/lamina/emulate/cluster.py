@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lamina.emulate.faults import Fault, FaultInjector
 from lamina.emulate.links import LinkSpec
 from lamina.emulate.netns import EmulatedHost, EmulatedNetwork, check_privileges, remove_stale
 from lamina.errors import ConfigError
@@ -49,6 +50,8 @@ class EmulateOptions:
     command: tuple[str, ...]
     rank_order: str = "ordered"
     timeout_s: float = 600.0
+    #: A fault to inject (lamina.emulate.faults), or None.
+    fault: Fault | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_host < 1:
@@ -70,6 +73,7 @@ class Agent:
     process: subprocess.Popen[bytes]
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
+    injector: FaultInjector | None = None
 
 
 def command_argv(command: Sequence[str], nproc_per_node: int | None = None) -> list[str]:
@@ -120,6 +124,8 @@ def _read(agent: Agent) -> None:
         line = raw.decode(errors="replace").rstrip("\n")
         agent.tail.append(line)
         print(f"[{agent.label}] {line}", flush=True)
+        if agent.injector is not None:
+            agent.injector.saw(line)
 
 
 def _stop(agents: Sequence[Agent]) -> None:
@@ -156,9 +162,19 @@ def run_emulated(options: EmulateOptions) -> int:
         f"link {options.link.describe()}, ranks {options.rank_order}",
         flush=True,
     )
+    tasks = task_environments(options, os.getpid())
+    injector = None
+    if options.fault is not None:
+        ranks = sorted(
+            int(env["SLURM_PROCID"]) * (1 if one_per_rank else options.nproc_per_host) + local
+            for h, env in tasks
+            if h == options.fault.host
+            for local in range(1 if one_per_rank else options.nproc_per_host)
+        )
+        injector = FaultInjector(options.fault, network, ranks)
     try:
         network.up()
-        for host_index, slurm in task_environments(options, os.getpid()):
+        for host_index, slurm in tasks:
             host = network.hosts[host_index]
             label = (
                 f"{host.hostname}/rank{slurm['SLURM_PROCID']}" if one_per_rank else host.hostname
@@ -170,11 +186,17 @@ def run_emulated(options: EmulateOptions) -> int:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            agent = Agent(host, label, process)
+            agent = Agent(host, label, process, injector=injector)
             agent.reader = threading.Thread(target=_read, args=(agent,), daemon=True)
             agent.reader.start()
             agents.append(agent)
-        return _wait(agents, options.timeout_s)
+        if injector is not None:
+            injector.start()
+        code = _wait(agents, options.timeout_s)
+        if injector is not None and injector.fired_at is not None:
+            after = time.monotonic() - injector.fired_at
+            print(f"lamina emulate: the job ended {after:.1f} s after the fault", flush=True)
+        return code
     except KeyboardInterrupt:
         print("lamina emulate: interrupted; stopping every host", file=sys.stderr, flush=True)
         return 130

@@ -101,7 +101,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _kill_inside(namespace: str) -> None:
+def remove_processes(namespace: str) -> None:
     """SIGKILL every process in ``namespace``."""
     result = subprocess.run(
         ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
@@ -113,7 +113,7 @@ def _kill_inside(namespace: str) -> None:
 
 def remove_namespace(namespace: str) -> None:
     """Kill what runs in ``namespace``, delete it and its ``/etc/netns`` files."""
-    _kill_inside(namespace)
+    remove_processes(namespace)
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
     shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
 

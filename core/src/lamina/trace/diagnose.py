@@ -20,13 +20,14 @@ from typing import Any
 
 from lamina.errors import LaminaError
 from lamina.trace.events import CollectiveEvent, RankTrace, read_dir
+from lamina.trace.watchdog import STORE_UNREACHABLE
 from lamina.units import format_bytes
 
 
 @dataclass
 class Finding:
-    """One problem: ``kind`` is ``no_trace``, ``mismatch``, ``not_entered`` or
-    ``not_completed``; ``message`` says it in one line."""
+    """One problem: ``kind`` is ``network``, ``no_trace``, ``mismatch``, ``not_entered``
+    or ``not_completed``; ``message`` says it in one line."""
 
     kind: str
     message: str
@@ -108,12 +109,28 @@ def diagnose(directory: str | Path) -> Diagnosis:
     traces = read_dir(folder, prefer="dump")
     world = max([int(t.meta.get("world_size", 0)) for t in traces.values()] + [max(traces) + 1])
     findings: list[Finding] = []
+    hosts = _hosts(traces)
+    cut_off = [r for r, t in traces.items() if STORE_UNREACHABLE in str(t.meta.get("reason"))]
+    if cut_off:
+        store_host = next((str(t.meta["store_host"]) for t in traces.values()
+                           if t.meta.get("store_host")), "the store's host")  # fmt: skip
+        findings.append(
+            Finding(
+                "network",
+                f"rank(s) {cut_off}{_on_hosts(cut_off, hosts)} could not reach the job's store "
+                f"on {store_host} when their watchdog fired: the network between them and "
+                f"{store_host} failed (a cut link, a dead port); the other ranks waited for "
+                "them",
+                missing=cut_off,
+            )
+        )
     absent = [r for r in range(world) if r not in traces]
     if absent:
         findings.append(
             Finding(
                 "no_trace",
-                f"no trace from rank(s) {absent}: it died or never traced",
+                f"no trace from rank(s) {absent}{_on_hosts(absent, hosts)}: it died or "
+                "never traced",
                 missing=absent,
             )
         )
@@ -126,6 +143,24 @@ def diagnose(directory: str | Path) -> Diagnosis:
             findings.append(finding)
     sources = {r: _source(folder, r, t) for r, t in traces.items()}
     return Diagnosis(folder, world, not findings, findings, sources, len(groups), total)
+
+
+def _hosts(traces: dict[int, RankTrace]) -> dict[int, str]:
+    """rank -> host name, from the ranks' own meta and the job's host map in any meta."""
+    hosts: dict[int, str] = {}
+    for trace in traces.values():
+        for rank, host in dict(trace.meta.get("hosts") or {}).items():
+            hosts[int(rank)] = str(host)
+    for rank, trace in traces.items():
+        if trace.meta.get("host"):
+            hosts[rank] = str(trace.meta["host"])
+    return hosts
+
+
+def _on_hosts(ranks: Sequence[int], hosts: dict[int, str]) -> str:
+    """`` on host(s) a, b`` for ``ranks`` whose hosts are known, else empty."""
+    names = sorted({hosts[r] for r in ranks if r in hosts})
+    return f" on host(s) {', '.join(names)}" if names else ""
 
 
 def _source(folder: Path, rank: int, trace: RankTrace) -> str:

@@ -13,7 +13,9 @@ writes ``DIR/rank<r>.jsonl``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -69,6 +71,10 @@ class TraceRecorder:
         self.capacity = capacity
         self.backend = backend
         self.pg_backend = pg_backend
+        #: rank -> host name of every rank of the job (set by lamina.init from the
+        #: topology), written into each file's meta.
+        self.hosts: dict[int, str] = {}
+        self._failed_dump = False
         self.enabled = True
         self.step = 0
         self.recorded = 0
@@ -116,8 +122,10 @@ class TraceRecorder:
         _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
         try:
             yield handle
-        except BaseException:
+        except BaseException as exc:
             event.end_ns = time.time_ns()  # raised, not hung: never looks pending
+            if isinstance(exc, Exception):
+                self._dump_once(f"collective failed: {type(exc).__name__}")
             raise
         finally:
             _INSIDE.depth -= 1
@@ -185,6 +193,10 @@ class TraceRecorder:
             "capacity": self.capacity,
             "dropped": self.dropped,
             "written_ns": time.time_ns(),
+            "host": socket.gethostname(),
+            # where the job's store (torchrun's rendezvous) lives
+            "store_host": os.environ.get("MASTER_ADDR", ""),
+            "hosts": {str(r): h for r, h in sorted(self.hosts.items())},
         }
 
     def write(self, reason: str = "write", *, dump: bool = False) -> Path:
@@ -198,6 +210,15 @@ class TraceRecorder:
     def dump(self, reason: str) -> Path:
         """Write the ring as a hang dump (``rank<r>.dump.jsonl``)."""
         return self.write(reason, dump=True)
+
+    def _dump_once(self, reason: str) -> None:
+        """A collective raised (a peer died, a connection broke): leave this rank's ring
+        for ``lamina trace diagnose`` once, never masking the error being raised."""
+        if self._failed_dump or self.directory is None:
+            return
+        self._failed_dump = True
+        with contextlib.suppress(Exception):  # the error in flight matters more
+            self.dump(reason)
 
 
 def _finish(event: CollectiveEvent) -> None:

@@ -5,7 +5,9 @@
 more than ``S`` seconds, this rank dumps its ring buffer (``DIR/rank<r>.dump.jsonl``),
 tells its peers through the job's store (key :data:`ABORT_KEY`), prints one line and
 exits: a rank blocked in a collective cannot be unwound. Peers that read the key dump
-their own rings and exit too, so ``lamina trace diagnose DIR`` sees every rank.
+their own rings and exit too, so ``lamina trace diagnose DIR`` sees every rank. Every
+store call is given up after a few seconds, so a rank whose link to the store's host
+is cut still fires.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ ABORT_KEY = "lamina/trace/abort"
 EXITING_KEY = "lamina/trace/exiting"
 DUMPED_KEY = "lamina/trace/dumped"
 DEFAULT_EXIT_CODE = 71
+#: Said in a dump's reason when the job's store did not answer the firing rank.
+STORE_UNREACHABLE = "store unreachable"
 
 _ACTIVE: Watchdog | None = None
 
@@ -47,6 +51,7 @@ class Watchdog:
         exit_code: int = DEFAULT_EXIT_CODE,
         store_poll_s: float = 1.0,
         grace_s: float = 5.0,
+        store_call_s: float = 3.0,
     ) -> None:
         if not timeout_s > 0 or not math.isfinite(timeout_s):
             raise ConfigError(
@@ -59,6 +64,7 @@ class Watchdog:
         self.exit_code = exit_code
         self.store_poll_s = store_poll_s
         self.grace_s = grace_s
+        self.store_call_s = store_call_s
         self.fired: str | None = None
         #: How the thread ends the process (tests replace it).
         self.exit: Callable[[int], None] = os._exit
@@ -115,14 +121,8 @@ class Watchdog:
         return oldest if age > self.timeout_s else None
 
     def _peer_report(self) -> str | None:
-        try:
-            if not self.store.check([ABORT_KEY]):
-                return None
-            raw = self.store.get(ABORT_KEY)
-        except Exception:  # the store's host went away: the job is ending anyway
-            self.store = None
-            return None
-        return bytes(raw).decode(errors="replace")
+        raw = self._store_call(lambda s: s.get(ABORT_KEY) if s.check([ABORT_KEY]) else None)
+        return None if raw is None else bytes(raw).decode(errors="replace")
 
     # -- firing ---------------------------------------------------------------------------
     def _fire_local(self, event: CollectiveEvent) -> None:
@@ -132,8 +132,9 @@ class Watchdog:
             f"{self.timeout_s:g} s"
         )
         self.fired = message
-        where = self._dump("watchdog")
-        self._store_call(lambda s: s.set(ABORT_KEY, message))
+        told = self._store_call(lambda s: (s.set(ABORT_KEY, message), True)[1])
+        # a store that does not answer is evidence: this rank's host lost the network
+        where = self._dump("watchdog" if told else f"watchdog, {STORE_UNREACHABLE}")
         print(f"lamina: {message}; {where}", file=sys.stderr, flush=True)
         self._finish(fired_here=True)
 
@@ -189,13 +190,27 @@ class Watchdog:
         self.exit(self.exit_code)
 
     def _store_call(self, call: Callable[[Any], Any]) -> Any:
-        if self.store is None:
+        """``call(store)``, given up after ``store_call_s``: the store lives on another host,
+        and a cut link would block the call (and this thread) for minutes. A store that
+        failed or did not answer is not asked again (None from then on)."""
+        store = self.store
+        if store is None:
             return None
-        try:
-            return call(self.store)
-        except Exception:
+        answer: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                answer["value"] = call(store)
+            except Exception:  # the store's host went away: the job is ending anyway
+                answer["failed"] = True
+
+        asker = threading.Thread(target=ask, name="lamina-watchdog-store", daemon=True)
+        asker.start()
+        asker.join(self.store_call_s)
+        if asker.is_alive() or "failed" in answer:
             self.store = None
             return None
+        return answer.get("value")
 
 
 def _default_store() -> Any | None:
