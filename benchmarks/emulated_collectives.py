@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
+from _results import write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: (link, message size) cases; the sizes are the all-reduce buffers.
 CASES = (("200mbit", "8M"), ("800mbit", "16M"))
 ORDERS = ("ordered", "interleaved")
@@ -82,24 +79,19 @@ def main() -> None:
             f"{r['link']:9}{r['bytes']:>6}{m['ordered']:12.1f}{m['interleaved']:16.1f}"
             f"{r['interleaved_over_ordered']:8.2f}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / args.output
-    payload = {
-        "benchmark": "emulated_collectives",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hosts": HOSTS,
-        "ranks_per_host": PER_HOST,
-        "collective": "all_reduce (gloo, flat ring over the world group), float32",
-        "time": "median over iters of the slowest rank, then median over repeats",
-        "repeats": args.repeats,
-        "iters": args.iters,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "results": results,
-    }
-    out.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {out}")
+    write_results(
+        "emulated_collectives",
+        args.output,
+        {
+            "hosts": HOSTS,
+            "ranks_per_host": PER_HOST,
+            "collective": "all_reduce (gloo, flat ring over the world group), float32",
+            "time": "median over iters of the slowest rank, then median over repeats",
+            "repeats": args.repeats,
+            "iters": args.iters,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

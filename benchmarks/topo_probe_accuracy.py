@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
+from _results import write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RATES_MBIT = (100, 200, 800)
 
 
@@ -71,22 +68,17 @@ def main() -> None:
             f"{r['shaped_mbit']:14d}{r['measured_mbit']:10.1f}{r['error']:+8.1%}"
             f"{r['latency_us']:12.1f}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / args.output
-    payload = {
-        "benchmark": "topo_probe_accuracy",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hosts": 2,
-        "ranks_per_host": 2,
-        "probe_bytes": args.bytes,
-        "repeats": args.repeats,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "results": results,
-    }
-    out.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {out}")
+    write_results(
+        "topo_probe_accuracy",
+        args.output,
+        {
+            "hosts": 2,
+            "ranks_per_host": 2,
+            "probe_bytes": args.bytes,
+            "repeats": args.repeats,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
-from _interleaved import RESULTS, workloads
+from _interleaved import workloads
+from _results import write_results
 from zero3_vs_fsdp2 import fsdp2
 
 VARIANTS = ("lamina", "fsdp2")
@@ -131,25 +129,20 @@ def main() -> None:
             f"{r['lamina_over_fsdp2_peak']:8.3f}"
             f"{transient['lamina']:17.1f}{transient['fsdp2']:16.1f}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / args.output
-    payload = {
-        "benchmark": "zero3_peak_memory",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "world_size": 2,
-        "threads_per_rank": 1,
-        "warmup_steps": WARMUP_STEPS,
-        "measured_steps": MEASURED_STEPS,
-        "repeats": args.repeats,
-        "memory": "peak RSS (VmHWM after a reset), slowest rank",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "variants": list(VARIANTS),
-        "results": results,
-    }
-    out.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    print(f"wrote {out}")
+    write_results(
+        "zero3_peak_memory",
+        args.output,
+        {
+            "world_size": 2,
+            "threads_per_rank": 1,
+            "warmup_steps": WARMUP_STEPS,
+            "measured_steps": MEASURED_STEPS,
+            "repeats": args.repeats,
+            "memory": "peak RSS (VmHWM after a reset), slowest rank",
+            "variants": list(VARIANTS),
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ import lamina
 PACKAGE = Path(lamina.__file__).resolve().parent
 
 #: Layer (package under lamina/) -> lamina packages and modules it must never import.
+#: What a standalone package (it depends on ``lamina.errors`` and itself only) may not import.
+STANDALONE = (
+    "device", "graph", "comm", "memory", "runtime", "strategies", "session", "api", "verify",
+    "cli", "backends", "trace",
+)  # fmt: skip
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "device": ("graph", "comm", "memory", "runtime", "strategies", "session", "api", "cli"),
     "graph": ("comm", "memory", "runtime", "strategies", "session", "api", "cli", "verify"),
@@ -24,34 +29,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "runtime": ("strategies", "session", "api", "cli", "verify"),
     "verify": ("strategies", "session", "api", "cli", "graph", "memory"),
     "strategies": ("api", "cli"),
-    "emulate": (
-        "device",
-        "graph",
-        "comm",
-        "memory",
-        "runtime",
-        "strategies",
-        "session",
-        "api",
-        "verify",
-        "cli",
-        "backends",
-        "trace",
-    ),
-    "launch": (
-        "device",
-        "graph",
-        "comm",
-        "memory",
-        "runtime",
-        "strategies",
-        "session",
-        "api",
-        "verify",
-        "cli",
-        "backends",
-        "trace",
-    ),
+    # launch tools: they start processes and read the environment, nothing of lamina's
+    "emulate": STANDALONE,
+    "launch": STANDALONE,
 }
 
 

@@ -80,3 +80,29 @@ def test_init_with_topology_probe_measures_the_links() -> None:
     assert results[0] == results[1]  # every rank builds the same measured topology
     assert results[0]["source"] == "measured" and results[0]["kind"] != "network"
     assert float(str(results[0]["gbps"])) > 0
+
+
+def test_lamina_info_shows_this_hosts_ranks_and_measured_links(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    from lamina.device.topology_file import save_topology
+    from lamina.testing.cli import run_lamina
+
+    here = socket.gethostname()
+    devices = tuple(
+        DeviceInfo(r, r // 2, here if r % 2 == 0 else "elsewhere", "cpu", 0) for r in range(4)
+    )
+    base = Topology(devices, (), (FastDomain(here, (0, 2)), FastDomain("elsewhere", (1, 3))))
+    measured = with_measurements(base, {(0, 1): (100.0, 0.025), (0, 2): (5.0, 3.0)})
+    path = tmp_path / "measured.json"
+    save_topology(measured, path)
+    result = run_lamina("info", env={"LAMINA_TOPOLOGY": str(path)})
+    assert result.returncode == 0, result.stderr
+    assert f"job topology {path}: 4 rank(s) on 2 host(s); this host runs rank(s) [0, 2]" in (
+        result.stdout
+    )
+    assert "200.0 Mbit/s, 100.0 us (measured)" in result.stdout
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    shown = run_lamina("info", env={"LAMINA_TOPOLOGY": str(broken)})
+    assert f"job topology {broken}:" in shown.stdout and shown.returncode == 0

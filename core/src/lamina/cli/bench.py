@@ -9,14 +9,12 @@ algbw, busbw) as it goes and writes ``--json`` when given.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 from lamina.bench.collectives import add_sweep_arguments, check_sweep_arguments
-from lamina.cli.run import check_backend, launch, plan_launch
-from lamina.errors import ConfigError
+from lamina.cli.run import add_nproc_argument, check_backend, launch_module
 from lamina.plugins import BACKEND_ENV
 
 #: The module every rank runs.
@@ -25,8 +23,6 @@ RANK_MODULE = "lamina.bench.collectives"
 
 def collectives_command(args: argparse.Namespace) -> int:
     """Validate the options before any rank starts, then launch the sweep."""
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     check_sweep_arguments(args)
     requested = args.backend or os.environ.get(BACKEND_ENV)
     if requested:
@@ -45,10 +41,7 @@ def collectives_command(args: argparse.Namespace) -> int:
     ]
     if args.json:
         forwarded += ["--json", str(Path(args.json).resolve())]
-    nproc = [] if args.nproc_per_node is None else ["--nproc-per-node", str(args.nproc_per_node)]
-    # one node: --standalone; under a scheduler: its rendezvous (lamina.launch)
-    plan = plan_launch([*nproc, "-m", RANK_MODULE, *forwarded])
-    return launch(dataclasses.replace(plan, backend=args.backend))
+    return launch_module(RANK_MODULE, forwarded, args.nproc_per_node, args.backend)
 
 
 def add_bench_parsers(subparsers: Any) -> None:
@@ -61,13 +54,7 @@ def add_bench_parsers(subparsers: Any) -> None:
         description="Sweep the collectives over power-of-two sizes on N ranks of the current "
         "backend (nccl-tests style): time, algbw and busbw per op and size.",
     )
-    sweep.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks on this node (default 1, or one per task under SLURM's one task per rank)",
-    )
+    add_nproc_argument(sweep)
     sweep.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=collectives_command)

@@ -100,8 +100,49 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         "fast_groups": [list(g) for g in host.fast_groups],
         "notes": list(host.notes),
     }
+    report["job_topology"] = _job_topology(host.host)
     report["plugins"] = _plugins(registry)  # after discovery, which may fail a plugin
     return report
+
+
+def _job_topology(host: str) -> dict[str, Any] | None:
+    """This host's place in the topology ``$LAMINA_TOPOLOGY`` declares (e.g. one written by
+    ``lamina topo probe``): its ranks and the links that touch it; None when none is set,
+    ``{"error": ...}`` when the file cannot be used."""
+    import os
+
+    from lamina.session import PROBE, TOPOLOGY_ENV
+
+    path = os.environ.get(TOPOLOGY_ENV)
+    if not path or path == PROBE:
+        return None
+    from lamina.device.topology_file import load_topology
+
+    try:
+        topology = load_topology(path)
+    except LaminaError as exc:
+        return {"file": path, "error": str(exc)}
+    host_of = {d.rank: d.host for d in topology.devices}
+    mine = sorted(r for r, h in host_of.items() if h == host)
+    links: dict[tuple[str, str], dict[str, Any]] = {}
+    for link in topology.links:
+        pair = tuple(sorted((host_of[link.a], host_of[link.b])))
+        if host in pair and pair not in links:
+            profile = link.profile
+            links[pair] = {  # type: ignore[index]
+                "hosts": list(pair),
+                "kind": profile.kind,
+                "bandwidth_gbps": profile.bandwidth_gbps,
+                "latency_us": profile.latency_us,
+                "source": profile.source,
+            }
+    return {
+        "file": path,
+        "world_size": topology.world_size,
+        "hosts": len(set(host_of.values())),
+        "ranks": mine,
+        "links": list(links.values()),
+    }
 
 
 def render_info(report: dict[str, Any], console: Console) -> None:
@@ -153,3 +194,21 @@ def render_info(report: dict[str, Any], console: Console) -> None:
     console.print(f"host {topo['host']}: NUMA {numa}; {topo['local_links']} local link(s)")
     for note in topo["notes"]:
         console.print(f"  note: {note}")
+    job = report.get("job_topology")
+    if job is None:
+        return
+    if "error" in job:
+        console.print(f"job topology {job['file']}: [red]{job['error']}[/red]", soft_wrap=True)
+        return
+    console.print(
+        f"job topology {job['file']}: {job['world_size']} rank(s) on {job['hosts']} host(s); "
+        f"this host runs rank(s) {job['ranks']}",
+        soft_wrap=True,
+    )
+    for link in job["links"]:
+        mbit = link["bandwidth_gbps"] * 8e3
+        console.print(
+            f"  link {link['hosts'][0]} - {link['hosts'][1]}: {link['kind']}, "
+            f"{mbit:,.1f} Mbit/s, {link['latency_us']:.1f} us ({link['source']})",
+            soft_wrap=True,
+        )

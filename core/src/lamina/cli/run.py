@@ -14,6 +14,7 @@ restarts the ranks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -189,6 +190,31 @@ def launch(plan: LaunchPlan) -> int:
         else:
             os.environ[BACKEND_ENV] = saved
     return 0
+
+
+def launch_module(
+    module: str, module_args: Sequence[str], nproc_per_node: int | None, backend: str | None
+) -> int:
+    """Run ``python -m module module_args`` on every rank, as ``lamina run`` would: on one
+    node ``--standalone``, under a scheduler its rendezvous (``lamina bench``, ``lamina
+    topo probe`` and the like)."""
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    nproc = [] if nproc_per_node is None else ["--nproc-per-node", str(nproc_per_node)]
+    plan = plan_launch([*nproc, "-m", module, *module_args])
+    return launch(dataclasses.replace(plan, backend=backend))
+
+
+def add_nproc_argument(parser: argparse.ArgumentParser) -> None:
+    """``--nproc-per-node N`` of a command that launches ranks (default: one, or one per
+    task under SLURM's one task per rank)."""
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks on this node (default 1, or one per task under SLURM's one task per rank)",
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -11,12 +11,12 @@ the links and writes the topology file, which ``LAMINA_TOPOLOGY=FILE`` (or
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lamina.cli.run import add_nproc_argument
 from lamina.errors import ConfigError
 
 RANK_MODULE = "lamina.cli.topo"
@@ -30,7 +30,7 @@ def _size(text: str) -> int:
 
 def probe_command(args: argparse.Namespace) -> int:
     """Check the options, then launch the probe on every rank."""
-    from lamina.cli.run import launch, plan_launch
+    from lamina.cli.run import launch_module
 
     nbytes = _size(args.bytes)
     if nbytes < 4 or args.iters < 1:
@@ -38,10 +38,8 @@ def probe_command(args: argparse.Namespace) -> int:
     output = Path(args.output).resolve()
     if not output.parent.is_dir():
         raise ConfigError(f"--output {args.output!r}: directory {output.parent} does not exist")
-    nproc = [] if args.nproc_per_node is None else ["--nproc-per-node", str(args.nproc_per_node)]
     forwarded = ["--bytes", str(nbytes), "--iters", str(args.iters), "--output", str(output)]
-    plan = plan_launch([*nproc, "-m", RANK_MODULE, *forwarded])
-    return launch(dataclasses.replace(plan, backend=args.backend))
+    return launch_module(RANK_MODULE, forwarded, args.nproc_per_node, args.backend)
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:
@@ -86,13 +84,7 @@ def add_topo_parser(subparsers: Any) -> None:
         description="Measure one rank pair per pair of hosts and one inside each host with "
         "send/recv, then write a topology file with the measured links.",
     )
-    probe.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks on this node (default 1, or one per task under SLURM's one task per rank)",
-    )
+    add_nproc_argument(probe)
     probe.add_argument("--backend", default=None, metavar="NAME", help="lamina backend")
     probe.add_argument("--bytes", default="8M", metavar="SIZE", help="bytes per transfer (8M)")
     probe.add_argument("--iters", type=int, default=3, metavar="N", help="timed transfers (3)")

@@ -33,7 +33,7 @@ RANK_ORDERS = ("ordered", "interleaved")
 #: Variables of an outer launch that must not leak into the emulated hosts.
 _OUTER = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LAMINA_TOPOLOGY",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID",
 )  # fmt: skip
 #: Seconds the other agents get to end by themselves after one fails.
 GRACE_S = 20.0
