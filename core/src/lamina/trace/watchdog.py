@@ -132,9 +132,10 @@ class Watchdog:
             f"{self.timeout_s:g} s"
         )
         self.fired = message
+        where = self._dump("watchdog")  # before the peers hear of it: they dump after
         told = self._store_call(lambda s: (s.set(ABORT_KEY, message), True)[1])
-        # a store that does not answer is evidence: this rank's host lost the network
-        where = self._dump("watchdog" if told else f"watchdog, {STORE_UNREACHABLE}")
+        if not told:  # evidence: this rank's host lost the network; the dump says so
+            where = self._dump(f"watchdog, {STORE_UNREACHABLE}")
         print(f"lamina: {message}; {where}", file=sys.stderr, flush=True)
         self._finish(fired_here=True)
 
