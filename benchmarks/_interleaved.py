@@ -58,27 +58,62 @@ def mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def mlp512() -> nn.Module:
+    """4 x Linear(512, 512) with ReLU between: 4 MiB of fp32 gradients, a small model
+    whose biases (2 KiB each) are latency-bound if bucketed alone."""
+    layers: list[nn.Module] = []
+    for k in range(4):
+        layers.append(nn.Linear(512, 512))
+        if k < 3:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+#: Every workload :func:`workloads` offers; benchmarks run ``DEFAULT_WORKLOADS`` unless
+#: given ``--only``.
+WORKLOADS = ("mlp", "mlp512", "gpt")
+DEFAULT_WORKLOADS = ("mlp", "gpt")
+
+
 def workloads(rank: int) -> dict[str, Workload]:
-    """MLP (batch 256, MSE) and GPT (batch 8, seq 128, cross-entropy); data differ by rank."""
+    """MLP 4 x 1024 and 4 x 512 (batch 256, MSE) and GPT (batch 8, seq 128,
+    cross-entropy); data differ by rank."""
 
     def mlp_batch(step: int) -> Batch:
         gen = torch.Generator().manual_seed(step * 97 + rank)
         return torch.randn(256, 1024, generator=gen), torch.randn(256, 1024, generator=gen)
+
+    def mlp512_batch(step: int) -> Batch:
+        gen = torch.Generator().manual_seed(step * 97 + rank)
+        return torch.randn(256, 512, generator=gen), torch.randn(256, 512, generator=gen)
 
     def gpt_batch(step: int) -> Batch:
         gen = torch.Generator().manual_seed(step * 97 + rank)
         idx = torch.randint(0, 8192, (8, 129), generator=gen)
         return idx[:, :-1], idx[:, 1:]
 
-    return {"mlp": (mlp, mlp_batch, F.mse_loss), "gpt": (gpt, gpt_batch, lm_loss)}
+    return {
+        "mlp": (mlp, mlp_batch, F.mse_loss),
+        "mlp512": (mlp512, mlp512_batch, F.mse_loss),
+        "gpt": (gpt, gpt_batch, lm_loss),
+    }
 
 
-def base_parser(description: str, output: str) -> argparse.ArgumentParser:
-    """Arguments every strategy benchmark takes."""
+def base_parser(
+    description: str, output: str, default_workloads: Sequence[str] = DEFAULT_WORKLOADS
+) -> argparse.ArgumentParser:
+    """Arguments every strategy benchmark takes (``--only`` defaults to
+    ``default_workloads``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds after warm-up")
     parser.add_argument("--steps", type=int, default=6, help="steps per variant per round")
-    parser.add_argument("--only", nargs="*", choices=["mlp", "gpt"], help="run these workloads")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=WORKLOADS,
+        default=list(default_workloads),
+        help=f"run these workloads (default: {' '.join(default_workloads)})",
+    )
     parser.add_argument("--output", default=output, help="file name in benchmarks/results")
     return parser
 

@@ -75,3 +75,28 @@ def test_sweep_on_two_ranks(tmp_path: Path) -> None:
         assert record["busbw_factor"] == busbw_factor(op, 2)
         assert record["algbw_gbps"] == pytest.approx(size / (record["time_us"] * 1e3))
         assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * record["busbw_factor"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_algorithm_sweep_on_an_interleaved_two_host_layout(tmp_path: Path) -> None:
+    from topologies_for_tests import two_hosts_interleaved
+
+    topology = tmp_path / "interleaved.json"
+    topology.write_text(json.dumps(two_hosts_interleaved()))
+    out = tmp_path / "algorithms.json"
+    args = ["collectives", "--nproc-per-node", "4", "--backend", "cpu", "--algorithm", "all"]
+    args += ["--min-bytes", "256K", "--max-bytes", "256K", "--iters", "1", "--warmup", "0"]
+    args += ["--json", str(out)]
+    result = run_lamina("bench", *args, env={"LAMINA_TOPOLOGY": str(topology)}, timeout=140)
+    assert result.returncode == 0, result.stderr
+    assert "cost model: 4 rank(s) on 2 host(s) x 2" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["model"]["hosts"] == [[0, 2], [1, 3]]
+    assert report["model"]["source"] == "calibrated"
+    rows = {r["algorithm"]: r for r in report["algorithms"]}
+    expected = {"flat", "ordered", "hierarchical", "pipelined", "auto", "inter-phase"}
+    assert set(rows) == expected
+    for row in rows.values():
+        assert row["bytes"] == 256 << 10 and row["time_us"] > 0 and row["predicted_us"] > 0
+    assert rows["auto"]["chosen"] in {"flat", "ordered", "hierarchical", "pipelined"}

@@ -29,6 +29,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "runtime": ("strategies", "session", "api", "cli", "verify"),
     "verify": ("strategies", "session", "api", "cli", "graph", "memory"),
     "strategies": ("api", "cli"),
+    "simulate": ("strategies", "session", "api", "cli"),
     # launch tools: they start processes and read the environment, nothing of lamina's
     "emulate": STANDALONE,
     "launch": STANDALONE,

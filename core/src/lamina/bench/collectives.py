@@ -156,6 +156,19 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=5, metavar="N", help="timed calls (5)")
     parser.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed calls (2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
+    parser.add_argument(
+        "--algorithm",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="time all-reduce algorithms instead of the ops, beside the cost model's "
+        "prediction: flat, ordered, hierarchical, pipelined, auto or all",
+    )
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="with --algorithm: predict from the topology's links, not from phases timed first",
+    )
 
 
 def check_sweep_arguments(args: argparse.Namespace) -> list[int]:
@@ -164,6 +177,10 @@ def check_sweep_arguments(args: argparse.Namespace) -> list[int]:
         raise ConfigError(f"--iters must be >= 1, got {args.iters}")
     if args.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.algorithm:
+        from lamina.bench.algorithms import requested
+
+        requested(args.algorithm)
     return sweep_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
 
 
@@ -202,24 +219,55 @@ def run(args: argparse.Namespace) -> list[Result]:
         f"({runtime.backend.collective_backend}), float32, {args.iters} iters, "
         f"{args.warmup} warmup; time = slowest rank's median"
     )
-    say(HEADER)
+    report: dict[str, Any] = {
+        "world_size": runtime.world_size,
+        "backend": runtime.backend.name,
+        "collective_backend": runtime.backend.collective_backend,
+        "device": str(runtime.device),
+        "dtype": "float32",
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }
     try:
-        results = _sweep(args, sizes, runtime.device, sync, say)
+        if args.algorithm:
+            results: list[Any] = _algorithm_sweep(args, sizes, runtime, sync, say, report)
+        else:
+            say(HEADER)
+            results = _sweep(args, sizes, runtime.device, sync, say)
+            report["results"] = [r.to_json() for r in results]
     finally:
         lamina.shutdown()
     if main_rank and args.json:
-        report = {
-            "world_size": runtime.world_size,
-            "backend": runtime.backend.name,
-            "collective_backend": runtime.backend.collective_backend,
-            "device": str(runtime.device),
-            "dtype": "float32",
-            "iters": args.iters,
-            "warmup": args.warmup,
-            "results": [r.to_json() for r in results],
-        }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         say(f"results written to {args.json}")
+    return results
+
+
+def _algorithm_sweep(
+    args: argparse.Namespace,
+    sizes: list[int],
+    runtime: Any,
+    sync: Callable[[], None],
+    say: Callable[[str], None],
+    report: dict[str, Any],
+) -> list[Any]:
+    from lamina.bench.algorithms import sweep
+
+    model, results = sweep(
+        runtime.topology,
+        runtime.rank,
+        runtime.backend.collective_backend,
+        args.algorithm,
+        sizes,
+        iters=args.iters,
+        warmup=args.warmup,
+        device=runtime.device,
+        sync=sync,
+        say=say,
+        calibrated=not args.no_calibrate,
+    )
+    report["model"] = model.to_json()
+    report["algorithms"] = [r.to_json() for r in results]
     return results
 
 

@@ -41,6 +41,10 @@ def collectives_command(args: argparse.Namespace) -> int:
     ]
     if args.json:
         forwarded += ["--json", str(Path(args.json).resolve())]
+    if args.algorithm:
+        forwarded += ["--algorithm", *args.algorithm]
+    if args.no_calibrate:
+        forwarded.append("--no-calibrate")
     return launch_module(RANK_MODULE, forwarded, args.nproc_per_node, args.backend)
 
 

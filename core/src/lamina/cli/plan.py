@@ -6,6 +6,12 @@ before the first collective:
 
 - ``lamina plan``: every rank writes its execution plan and exits; the plans are read
   back, compared across ranks, and printed (``--explain``, the default, or ``--json``).
+- ``lamina plan --simulate CLUSTER.json``: the same capture on :data:`SIMULATE_RANKS`
+  local ranks (a one-rank data-parallel plan has no gradient collective at all), then
+  the plan's per-step communication time and per-rank memory predicted on the declared
+  cluster (:mod:`lamina.simulate`): a readable report, or ``--json``. Bucket and unit
+  boundaries are the capture's (they do not depend on the world size); only their byte
+  totals are costed on the simulated world size.
 - ``lamina verify``: the ranks run the pre-flight cross-rank verification and exit; it
   prints OK or the difference.
 """
@@ -25,6 +31,7 @@ from lamina.cli.run import LaunchPlan, check_backend, launch
 from lamina.errors import ConfigError
 from lamina.plugins import BACKEND_ENV
 from lamina.runtime import ExecutionPlan, explain
+from lamina.simulate import load_cluster, predict
 from lamina.verify.preflight import TIMEOUT_ENV
 
 
@@ -76,8 +83,17 @@ def read_plans(folder: Path, nproc: int) -> list[ExecutionPlan]:
     return [ExecutionPlan.from_dict(json.loads(p.read_text())) for p in paths if p.is_file()]
 
 
+#: Local ranks ``lamina plan --simulate`` captures the plan on (at least).
+SIMULATE_RANKS = 2
+
+
 def plan_command(args: argparse.Namespace) -> int:
-    """``lamina plan``: build the plan without training and print it."""
+    """``lamina plan``: build the plan without training and print it (or, with
+    ``--simulate``, predict it on a declared cluster)."""
+    cluster = None
+    if args.simulate is not None:  # a bad cluster file fails before the script starts
+        cluster = load_cluster(args.simulate)
+        args.nproc_per_node = max(SIMULATE_RANKS, args.nproc_per_node)
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
         runner = ["--stop", "plan", "--out", tmp]
         status = _launch(args, runner, quiet_dir=Path(tmp) / "logs")
@@ -92,6 +108,19 @@ def plan_command(args: argparse.Namespace) -> int:
         plans = read_plans(Path(tmp), args.nproc_per_node)
     first = plans[0]
     differing = [r for r, p in enumerate(plans) if p.fingerprint != first.fingerprint]
+    if cluster is not None:
+        prediction = predict(first, cluster)
+        if args.json:
+            print(json.dumps(prediction.to_json(), indent=2, sort_keys=True))
+        else:
+            print(f"lamina plan --simulate {args.simulate}: {args.script}")
+            print(prediction.report())
+        if differing:
+            print(
+                f"lamina plan: plans differ on rank(s) {differing}; run `lamina verify`",
+                file=sys.stderr,
+            )
+        return 1 if differing else 0
     if args.json:
         print(first.to_json())
     else:
@@ -122,11 +151,19 @@ def add_plan_parsers(subparsers: Any) -> None:
         "plan",
         help="build a script's execution plan without training and print it",
         description="Run SCRIPT up to its execution plan (no collective, no step) and print "
-        "the plan.",
+        "the plan; with --simulate, predict the step's communication time and per-rank "
+        "memory on a declared cluster instead.",
     )
     fmt = plan.add_mutually_exclusive_group()
     fmt.add_argument("--explain", action="store_true", help="readable plan (the default)")
-    fmt.add_argument("--json", action="store_true", help="the plan as JSON")
+    fmt.add_argument("--json", action="store_true", help="the plan (or prediction) as JSON")
+    plan.add_argument(
+        "--simulate",
+        default=None,
+        metavar="CLUSTER.json",
+        help="predict the step's communication time and per-rank memory on the declared "
+        "cluster (up to 4096 devices; format in docs/simulate.md)",
+    )
     _add_common(plan)
     plan.set_defaults(func=plan_command)
     verify = subparsers.add_parser(

@@ -1,4 +1,8 @@
-"""``lamina topo probe``: measure the links between hosts and inside them, write a topology.
+"""``lamina topo probe`` and ``lamina topo place``: measure the links; place the ranks.
+
+``place`` reads a topology file and prints the ring order that crosses each host's
+uplink least (each host's ranks in a row), its bottleneck bandwidth against the ranks'
+own order, and the cost model's predicted all-reduce times. ``probe``:
 
 Launches this module on every rank with torchrun (through ``lamina run``'s launch
 planning: under SLURM or ``lamina emulate`` it joins the job's rendezvous on every
@@ -74,6 +78,43 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def place_command(args: argparse.Namespace) -> int:
+    """``lamina topo place``: the ring order with the widest bottleneck, and the gain."""
+    from lamina.comm.cost import CostModel
+    from lamina.comm.layout import HostLayout, best_ring, ring_bottleneck_gbps
+    from lamina.device.topology_file import load_topology
+    from lamina.units import format_bytes
+
+    topology = load_topology(args.topology)
+    nbytes = _size(args.bytes)
+    layout = HostLayout.of(topology)
+    current = layout.rank_order()
+    best = best_ring(layout)
+    model = CostModel.from_topology(topology)
+    now_s = model.ring_all_reduce(current, nbytes)
+    best_s = model.ring_all_reduce(best, nbytes)
+    print(f"lamina topo place: {topology.summary()} ({args.topology})")
+    for index, (name, ranks) in enumerate(zip(layout.names, layout.hosts, strict=True)):
+        print(f"  host {index} {name}: ranks {list(ranks)}")
+    rows = (("rank order now", current, now_s), ("topology order", best, best_s))
+    print(f"{'ring':16}{'bottleneck GB/s':>17}{'crossings':>11}  all-reduce {format_bytes(nbytes)}")
+    for label, order, seconds in rows:
+        print(
+            f"{label:16}{ring_bottleneck_gbps(topology, order):17.4g}"
+            f"{layout.crossings(order):>11}  {seconds * 1e3:.2f} ms (model)"
+        )
+    print(f"order: {' '.join(map(str, best))}")
+    if best == current:
+        print("the ranks are already in topology order: nothing to gain")
+    else:
+        print(
+            f"predicted gain: {now_s / best_s:.2f}x on a flat ring; launch the ranks host by "
+            "host (srun --distribution=block) or let lamina's algorithms follow the hosts "
+            "(DP's algorithm='auto' does)"
+        )
+    return 0
+
+
 def add_topo_parser(subparsers: Any) -> None:
     """Register ``topo`` (with its ``probe`` subcommand) on the ``lamina`` parsers."""
     topo = subparsers.add_parser("topo", help="measure the job's topology")
@@ -90,6 +131,15 @@ def add_topo_parser(subparsers: Any) -> None:
     probe.add_argument("--iters", type=int, default=3, metavar="N", help="timed transfers (3)")
     probe.add_argument("--output", default="topology.json", metavar="FILE", help="topology file")
     probe.set_defaults(func=probe_command)
+    place = kinds.add_parser(
+        "place",
+        help="print the rank order whose ring crosses the slow links least, and the gain",
+        description="Read a topology file (e.g. written by `lamina topo probe`) and print "
+        "the ring order with the widest bottleneck, against the ranks' own order.",
+    )
+    place.add_argument("topology", metavar="TOPOLOGY", help="topology file (JSON)")
+    place.add_argument("--bytes", default="64M", metavar="SIZE", help="all-reduce size (64M)")
+    place.set_defaults(func=place_command)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ computing the next buckets. A callback
 queued on the autograd engine runs when backward ends: it launches what did not fill,
 waits for every collective, and leaves averaged gradients for the optimizer.
 
-The strategy names each bucket's collective after its execution-plan node and may give
-a bucket a :class:`~lamina.comm.codecs.Codec`; an ``observer`` (the run log) hears
-every collective issued and every codec fallback taken.
+The strategy names each bucket's collective after its execution-plan node, gives each
+bucket its all-reduce algorithm (:mod:`lamina.comm.algorithms`; ``flat`` is the group's
+own all-reduce) and may give a bucket a :class:`~lamina.comm.codecs.Codec`; an
+``observer`` (the run log) hears every collective issued and every codec fallback taken.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
 from lamina.comm.codecs import Codec
 from lamina.device.handle import DeviceHandle, Stream
@@ -44,6 +46,10 @@ class _BucketState:
     node: str = ""
     codec: Codec | None = None
     ready: set[int] = field(default_factory=set)
+    #: slots whose gradient was divided by the world size as it was copied in
+    divided: set[int] = field(default_factory=set)
+    algorithm: str = "flat"
+    chunks: int = 1
     work: Any = None
     wire: torch.Tensor | None = None
 
@@ -103,6 +109,8 @@ class GradientReducer:
         codecs: dict[int, Codec] | None = None,
         excluded_node: str = "excluded",
         observer: CommObserver | None = None,
+        algorithms: dict[int, tuple[str, int]] | None = None,
+        algorithm_groups: AlgorithmGroups | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
@@ -116,6 +124,10 @@ class GradientReducer:
             index = state.plan.index
             state.node = bucket_nodes[index] if bucket_nodes else f"bucket{index}"
             state.codec = (codecs or {}).get(index)
+            state.algorithm, state.chunks = (algorithms or {}).get(index, ("flat", 1))
+            if state.algorithm != "flat" and algorithm_groups is None:
+                raise ValueError(f"bucket {index} runs {state.algorithm!r}: pass algorithm_groups")
+        self._algorithms = algorithm_groups
         self._where: dict[nn.Parameter, tuple[_BucketState, int]] = {}
         for state in self._buckets:
             for k, param in enumerate(state.params):
@@ -166,7 +178,12 @@ class GradientReducer:
         grad = param.grad
         if grad is None or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape):
             return
-        view.copy_(grad)
+        if self.world_size > 1 and grad.dtype == view.dtype:
+            # copy and average in one pass (the same x / world_size as _issue's div_)
+            torch.div(grad, self.world_size, out=view)
+            state.divided.add(k)
+        else:
+            view.copy_(grad)
         param.grad = view
         self.stats.grads_copied += 1
 
@@ -183,12 +200,20 @@ class GradientReducer:
             self._issue(state)
 
     def _issue(self, state: _BucketState) -> None:
-        state.buffer.div_(self.world_size)
+        if not state.divided:
+            state.buffer.div_(self.world_size)
+        elif len(state.divided) < len(state.views):  # only the slots not divided on landing
+            for k, view in enumerate(state.views):
+                if k not in state.divided:
+                    view.div_(self.world_size)
         payload = state.buffer
         if state.codec is not None:
             payload = state.wire = state.codec.encode(state.buffer)
         with self._traced(state.node, payload) as handle:
-            state.work = dist.all_reduce(payload, group=self.group, async_op=True)
+            if state.algorithm == "flat" or self._algorithms is None:
+                state.work = dist.all_reduce(payload, group=self.group, async_op=True)
+            else:
+                state.work = self._algorithms.all_reduce(state.algorithm, payload, state.chunks)
             if handle is not None:
                 handle.work = state.work
 
@@ -233,6 +258,7 @@ class GradientReducer:
             for state in self._buckets:
                 self._complete(state)
                 state.ready.clear()
+                state.divided.clear()
             if self._handle is not None and self.comm_stream is not None:
                 self._handle.current_stream().wait_stream(self.comm_stream)
             self._reduce_strays()
@@ -240,6 +266,7 @@ class GradientReducer:
     def _land_or_zero(self, state: _BucketState, k: int, view: torch.Tensor) -> None:
         if state.params[k].grad is None:
             view.zero_()  # no gradient this step on this rank: contribute zeros
+            state.divided.add(k)  # zero over the world size is zero
         else:
             self._land_in_bucket(state, k)
 
@@ -290,10 +317,12 @@ class GradientReducer:
             self.sync_enabled = previous
 
     def remove(self) -> None:
-        """Detach the hooks."""
+        """Detach the hooks (and stop the algorithms' worker thread)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._algorithms is not None:
+            self._algorithms.close()
 
 
 def _comm_stream(handle: DeviceHandle | None) -> Stream | None:

@@ -7,8 +7,9 @@ job step (``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST``, ``SLURM_NODEID``, ``SLURM_PR
 starts the host's ranks (global ranks ``host * P + local``); ``interleaved`` starts one
 task per rank, numbered round-robin across the hosts as ``srun --distribution=cyclic``
 does (host ``h`` runs ranks ``h, h + H, h + 2H, ...``). gloo binds to the host's
-``eth0``. Every agent's output is printed live, prefixed with its host; the run is
-bounded in time, and the network is always torn down.
+``eth0``. The hosts share this machine's cores, so every rank gets
+``OMP_NUM_THREADS=1`` unless the caller set it. Every agent's output is printed live,
+prefixed with its host; the run is bounded in time, and the network is always torn down.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def run_emulated(options: EmulateOptions) -> int:
     network = EmulatedNetwork(options.hosts, options.link)
     agents: list[Agent] = []
     env = {k: v for k, v in os.environ.items() if k not in _OUTER and not k.startswith("PET_")}
+    # the emulated hosts share this machine's cores: one intra-op thread per rank, as
+    # torchrun gives several ranks of one host (spinning OpenMP threads of four ranks on
+    # two cores slowed a 1 MiB reduce-scatter + all-gather inside a host 6x)
+    env.setdefault("OMP_NUM_THREADS", "1")
     print(
         f"lamina emulate: {options.hosts} host(s) x {options.nproc_per_host} rank(s), "
         f"link {options.link.describe()}, ranks {options.rank_order}",

@@ -60,6 +60,7 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
             )
         )
     lines += _table(seq_rows) if collectives else ["  (none: one rank)"]
+    lines += _algorithm_lines(plan)
     lines += ["", "fallbacks (declared on the plan; identical ones on several nodes grouped)"]
     if plan.fallbacks:
         groups: dict[tuple[str, ...], list[str]] = {}
@@ -83,3 +84,20 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
             for e in log.events
         ] or ["  (none)"]
     return "\n".join(lines)
+
+
+def _algorithm_lines(plan: ExecutionPlan) -> list[str]:
+    """The all-reduce algorithm of each collective that has one: the cost model's
+    predicted time of every algorithm that can run, and the choice."""
+    chosen = [n for n in plan.collectives() if n.attr("algorithm")]
+    if not chosen:
+        return []
+    model = dict(plan.meta).get("cost_model", "")
+    lines = ["", "all-reduce algorithms (cost model" + (f": {model})" if model else ")")]
+    rows: list[tuple[str, ...]] = [("node", "bytes", "chosen", "predicted per algorithm")]
+    for node in chosen:
+        assert node.collective is not None
+        chunks = int(node.attr("chunks", "1"))
+        pick = node.attr("algorithm") + (f" x{chunks} chunks" if chunks > 1 else "")
+        rows.append((node.id, format_bytes(node.collective.nbytes), pick, node.attr("predicted")))
+    return lines + _table(rows)

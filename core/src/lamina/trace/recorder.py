@@ -50,6 +50,17 @@ def inside_lamina_collective() -> bool:
     return bool(getattr(_INSIDE, "depth", 0))
 
 
+@contextmanager
+def lamina_internal() -> Iterator[None]:
+    """Mark this thread as issuing the parts of a collective lamina already recorded (an
+    algorithm's phases on a worker thread), so user-collective tracing skips them."""
+    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
+
+
 class TraceRecorder:
     """Ring buffers of one rank's collectives and spans, plus where to write them."""
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.comm.codecs import Codec, get_codec
+from lamina.comm.cost import ALGORITHM_OPTIONS
 from lamina.errors import ConfigError
 from lamina.graph import CAPTURE_METHODS
 from lamina.strategies.contract import StrategyOptions
@@ -17,12 +18,17 @@ class DataParallelOptions(StrategyOptions):
     """Data-parallel options, validated on construction.
 
     ``example_inputs`` / ``example_kwargs`` capture the graph at wrap time (else on the
-    first forward). ``bucket_cap_mb=None`` sizes buckets automatically (gradient bytes /
-    8, clamped to 1..25 MiB) so that communication overlaps backward; a number fixes the
-    cap. ``codec`` (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`)
-    compresses fp32 buckets on the wire; ``compile`` (``True`` or a ``torch.compile``
-    backend name) runs the forward compiled; ``capture_methods`` limits the graph capture
-    paths; ``strict`` refuses parameters the captured forward does not use.
+    first forward). ``bucket_cap_mb=None`` sizes buckets automatically from an alpha-beta
+    cost of the group's all-reduce (:mod:`lamina.comm.buckets`: latency-bound tensors
+    ride with a neighbour, the rest in about 8 buckets so that communication overlaps
+    backward); a number fixes the cap. ``codec`` (``"bf16"``, ``"fp16"`` or a
+    :class:`~lamina.comm.codecs.Codec`) compresses fp32 buckets on the wire; ``compile``
+    (``True`` or a ``torch.compile`` backend name) runs the forward compiled;
+    ``capture_methods`` limits the graph capture paths; ``strict`` refuses parameters the
+    captured forward does not use. ``algorithm`` is the all-reduce algorithm of every
+    bucket (``"auto"``: the cost model's pick per bucket from the topology, see
+    :mod:`lamina.comm.cost`; or ``"flat"``, ``"ordered"``, ``"hierarchical"``,
+    ``"pipelined"``).
     """
 
     example_inputs: tuple[Any, ...] | None = None
@@ -35,6 +41,7 @@ class DataParallelOptions(StrategyOptions):
     codec: str | Codec | None = None
     compile: bool | str = False
     capture_methods: tuple[str, ...] = CAPTURE_METHODS
+    algorithm: str = "auto"
 
     def __post_init__(self) -> None:
         cap, first = self.bucket_cap_mb, self.first_bucket_mb
@@ -52,6 +59,10 @@ class DataParallelOptions(StrategyOptions):
             raise ConfigError(
                 f"example_inputs must be a tuple, got {type(self.example_inputs).__name__}; "
                 "pass a single input as (x,)"
+            )
+        if self.algorithm not in ALGORITHM_OPTIONS:
+            raise ConfigError(
+                f"algorithm={self.algorithm!r} is not one of {list(ALGORITHM_OPTIONS)}"
             )
         get_codec(self.codec)  # a ConfigError naming an unknown codec
         compile_backend_of(self.compile)  # a ConfigError for a bad compile= value

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from lamina.comm.buckets import BucketPlan
 from lamina.comm.codecs import Codec
+from lamina.comm.cost import AlgorithmChoice
 from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
@@ -44,6 +45,10 @@ class DPPlanInputs:
     compile_backend: str | None = None
     #: The mesh axis (or axes) the gradient all-reduces span.
     axis: str = "world"
+    #: Bucket index -> the all-reduce algorithm chosen for it (absent: flat).
+    algorithms: dict[int, AlgorithmChoice] | None = None
+    #: One line on the cost model the choices came from.
+    cost_model: str = ""
 
 
 def _capture_fallbacks(graph: CapturedGraph) -> list[Fallback]:
@@ -83,16 +88,25 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
             axis=inputs.axis,
         )
         names = bucket.param_names
+        choice = (inputs.algorithms or {}).get(bucket.index)
+        how = f", {choice.algorithm}" if choice is not None and choice.algorithm != "flat" else ""
         nodes.append(
             PlanNode(
                 node_id,
                 "collective",
                 "backward",
-                f"bucket {bucket.index}: {len(names)} gradient(s), {names[0]} .. {names[-1]}",
+                f"bucket {bucket.index}: {len(names)} gradient(s), {names[0]} .. {names[-1]}{how}",
                 spec,
-                attrs(bucket=bucket.index, params=len(names), codec=wire.name if wire else "none"),
+                attrs(
+                    bucket=bucket.index,
+                    params=len(names),
+                    codec=wire.name if wire else "none",
+                    **_algorithm_attrs(choice),
+                ),
             )
         )
+        if choice is not None and (choice.algorithm != "flat" or choice.fallback_reason):
+            fallbacks.append(_algorithm_fallback(node_id, choice))
         if applies and codec is not None:
             fallbacks.append(
                 Fallback(
@@ -115,6 +129,25 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                     )
                 )
     return nodes, fallbacks
+
+
+def _algorithm_attrs(choice: AlgorithmChoice | None) -> dict[str, object]:
+    if choice is None:
+        return {}
+    predicted = " ".join(f"{name}={seconds * 1e3:.3f}ms" for name, seconds in choice.predictions)
+    return {"algorithm": choice.algorithm, "chunks": choice.chunks, "predicted": predicted}
+
+
+def _algorithm_fallback(node_id: str, choice: AlgorithmChoice) -> Fallback:
+    primary = choice.requested if choice.fallback_reason else choice.algorithm
+    return Fallback(
+        node_id,
+        f"algorithm:{primary}",
+        "algorithm:flat",
+        "the algorithm's process groups cannot be formed on this job",
+        taken=bool(choice.fallback_reason),
+        reason=choice.fallback_reason,
+    )
 
 
 def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
@@ -168,6 +201,7 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
         alignment_bytes=inputs.buckets.alignment_bytes,
         pg_backend=inputs.pg_backend,
         codec=inputs.codec.name if inputs.codec else "none",
+        **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),
     )
     return ExecutionPlan(
         strategy="dp",

@@ -18,8 +18,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lamina.comm.buckets import MIB, BucketPlan, ParamSpec, auto_bucket_cap, plan_buckets
+from lamina.comm.algorithms import AlgorithmGroups
+from lamina.comm.buckets import (
+    GLOO_ALPHA_S,
+    GLOO_BETA_S_PER_BYTE,
+    MIB,
+    BucketPlan,
+    ParamSpec,
+    auto_bucket_cap,
+    plan_buckets,
+)
 from lamina.comm.codecs import Codec, get_codec, self_check
+from lamina.comm.cost import (
+    ALGORITHMS,
+    AlgorithmChoice,
+    CostModel,
+    choose_algorithm,
+    unavailable_algorithms,
+)
 from lamina.comm.reducer import GradientReducer
 from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, capture
@@ -81,6 +97,9 @@ class DataParallel(nn.Module):
         self.run_log: RunLog | None = None
         self.preflight: PreflightReport | None = None
         self.reducer: GradientReducer | None = None
+        self.algorithm_groups: AlgorithmGroups | None = None
+        self._cost_model: CostModel | None = None
+        self._choices: dict[int, AlgorithmChoice] = {}
         self._forward: CompiledForward | None = None
         if options.example_inputs is not None or options.example_kwargs is not None:
             self.prepare(options.example_inputs or (), options.example_kwargs or {})
@@ -99,7 +118,10 @@ class DataParallel(nn.Module):
             for name in self.graph.param_names
         ]
         unused = set(self.graph.unused)
-        cap = self._cap_bytes or auto_bucket_cap([p for p in specs if p.name not in unused])
+        alpha, beta = self._bucket_latency()
+        cap = self._cap_bytes or auto_bucket_cap(
+            [p for p in specs if p.name not in unused], alpha_s=alpha, beta_s_per_byte=beta
+        )
         self.plan = plan_buckets(
             specs,
             self.graph.grad_ready_order(),
@@ -108,7 +130,10 @@ class DataParallel(nn.Module):
             alignment_bytes=self.options.alignment_bytes,
             unused=self.graph.unused,
             strict=self.options.strict,
+            alpha_s=alpha,
+            beta_s_per_byte=beta,
         )
+        self._choices = self._choose_algorithms(self.plan)
         execution = self._build_execution_plan(self.plan)
         planned = PlannedStep(execution, (("graph", plan_dp.graph_lines(self.graph)),))
         self.preflight = before_first_collective(
@@ -116,6 +141,7 @@ class DataParallel(nn.Module):
         )
         self.execution_plan, self.run_log = execution, RunLog(execution)
         self._broadcast_state("setup")
+        self.algorithm_groups = self._algorithm_groups(execution)
         self.reducer = GradientReducer(
             self.plan,
             named,
@@ -125,6 +151,8 @@ class DataParallel(nn.Module):
             codecs=self._bucket_codecs(execution),
             excluded_node=plan_dp.EXCLUDED,
             observer=self.run_log,
+            algorithms=self._bucket_algorithms(execution),
+            algorithm_groups=self.algorithm_groups,
         )
         if self._compile_backend is not None:
             self._forward = CompiledForward(
@@ -145,7 +173,7 @@ class DataParallel(nn.Module):
                 buckets=buckets,
                 group=self._ranks,
                 backend=self.runtime.backend.name,
-                pg_backend=str(dist.get_backend(self.group)),
+                pg_backend=self._pg_backend(),
                 setup_state=dtype_totals([*self.module.parameters(), *self.module.buffers()]),
                 step_buffers=dtype_totals(list(self.module.buffers()))
                 if self.broadcast_buffers
@@ -154,7 +182,69 @@ class DataParallel(nn.Module):
                 codec_checks=checks,
                 compile_backend=self._compile_backend,
                 axis=self._axis,
+                algorithms=self._choices,
+                cost_model=self._cost_model.describe() if self._cost_model else "",
             )
+        )
+
+    # -- all-reduce algorithms -------------------------------------------------------------
+    def _whole_job(self) -> bool:
+        return len(self._ranks) == dist.get_world_size()
+
+    def _bucket_latency(self) -> tuple[float, float]:
+        """alpha and beta of the group's all-reduce for the bucket planner, from the cost
+        model of measured links (its best algorithm at 1 byte and at 64 MiB); without
+        measured links, the planner's defaults (measured for gloo on one host)."""
+        defaults = (GLOO_ALPHA_S, GLOO_BETA_S_PER_BYTE)
+        if len(self._ranks) == 1:
+            return defaults
+        model = self._cost_model = CostModel.from_topology(self.runtime.topology, self._ranks)
+        if model.source == "topology":  # estimates, not measurements
+            return defaults
+        unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
+        runnable = [a for a in ALGORITHMS if a not in unavailable]
+        large = 64 * MIB
+        alpha = model.choose(1, runnable).seconds
+        beta = (model.choose(large, runnable).seconds - alpha) / large
+        return alpha, max(beta, 1e-15)
+
+    def _choose_algorithms(self, buckets: BucketPlan) -> dict[int, AlgorithmChoice]:
+        """Each bucket's all-reduce algorithm, from the cost model of the group's links."""
+        model = self._cost_model
+        if len(self._ranks) == 1 or model is None:
+            return {}
+        unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
+        return {
+            b.index: choose_algorithm(model, b.nbytes, self.options.algorithm, unavailable)
+            for b in buckets.buckets
+        }
+
+    def _pg_backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+    def _bucket_algorithms(self, execution: ExecutionPlan) -> dict[int, tuple[str, int]]:
+        """The algorithm and chunk count the plan gives each bucket."""
+        out = {}
+        for b in self.plan.buckets if self.plan is not None else ():
+            if execution.world_size == 1:
+                continue
+            node = execution.node(plan_dp.bucket_node(b.index))
+            out[b.index] = (node.attr("algorithm", "flat"), int(node.attr("chunks", "1")))
+        return out
+
+    def _algorithm_groups(self, execution: ExecutionPlan) -> AlgorithmGroups | None:
+        """The process groups of the plan's algorithms (built after pre-flight agreed on
+        the plan: every rank builds the same groups in the same order)."""
+        used = {name for name, _ in self._bucket_algorithms(execution).values()}
+        if used <= {"flat"} or self._cost_model is None:
+            return None
+        return AlgorithmGroups(
+            self._cost_model.layout,
+            dist.get_rank(),
+            flat=self.group,
+            pg_backend=self._pg_backend(),
+            whole_job=self._whole_job(),
+            needed=used,
         )
 
     def _bucket_codecs(self, execution: ExecutionPlan) -> dict[int, Codec]:

@@ -1,0 +1,91 @@
+"""DP buckets on the topology-aware all-reduce algorithms: equal to torch DDP, chosen by
+the cost model, recorded in the plan. 4 gloo ranks laid out as 2 hosts x 2, interleaved
+(ranks 0, 2 on one host), with a slow link between the hosts."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lamina
+from lamina.testing import run_ranks
+from models_for_tests import batch, build, loss_of
+from topologies_for_tests import two_hosts_interleaved
+
+WORLD = 4
+STEPS = 5
+ALGORITHMS = ("auto", "ordered", "hierarchical", "pipelined")
+#: Small bucket caps: the GPT's gradients land in several buckets.
+BUCKETS: dict[str, Any] = {"bucket_cap_mb": 0.02, "first_bucket_mb": 0.004}
+
+
+def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
+    initial = build("gpt", seed=rank)
+    ours = lamina.distribute(copy.deepcopy(initial), "dp", algorithm=algorithm, **BUCKETS)
+    ddp = DDP(copy.deepcopy(initial))
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        x, y = batch("gpt", step, rank)
+        for model, opt in ((ours, opt_ours), (ddp, opt_ddp)):
+            loss_of("gpt", model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(ours.module.parameters(), ddp.module.parameters(), strict=True)
+    )
+    plan = ours.execution_plan
+    assert plan is not None
+    buckets = [n for n in plan.collectives() if n.id.startswith("bucket")]
+    return {
+        "diff": diff,
+        "chosen": [n.attr("algorithm") for n in buckets],
+        "predicted": [n.attr("predicted") for n in buckets],
+        "fingerprint": plan.fingerprint,
+        "cost_model": dict(plan.meta).get("cost_model", ""),
+    }
+
+
+def _job() -> dict[str, Any]:
+    runtime = lamina.init()
+    return {a: _against_ddp(a, runtime.rank) for a in ALGORITHMS}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    path: Path = tmp_path_factory.mktemp("dp-algorithms") / "interleaved.json"
+    path.write_text(json.dumps(two_hosts_interleaved()))
+    return run_ranks(_job, WORLD, env={"LAMINA_TOPOLOGY": str(path)}, timeout=300)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_parameters_equal_ddp_after_five_steps_whatever_the_algorithm(
+    results: list[dict[str, Any]], algorithm: str
+) -> None:
+    for rank, result in enumerate(results):
+        assert result[algorithm]["diff"] <= 1e-5, (rank, result[algorithm])
+        assert result[algorithm]["fingerprint"] == results[0][algorithm]["fingerprint"]
+
+
+@pytest.mark.timeout(360)
+def test_forced_algorithms_run_on_every_bucket(results: list[dict[str, Any]]) -> None:
+    for algorithm in ALGORITHMS[1:]:
+        assert set(results[0][algorithm]["chosen"]) == {algorithm}
+
+
+@pytest.mark.timeout(360)
+def test_auto_picks_a_hierarchical_algorithm_across_the_slow_link(
+    results: list[dict[str, Any]],
+) -> None:
+    auto = results[0]["auto"]
+    assert set(auto["chosen"]) <= {"hierarchical", "pipelined"}, auto["chosen"]
+    assert all("flat=" in p and "hierarchical=" in p for p in auto["predicted"])
+    assert "2 host(s) x 2" in auto["cost_model"]
