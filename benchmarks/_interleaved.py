@@ -118,6 +118,21 @@ def base_parser(
     return parser
 
 
+def without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` less ``--nproc N`` / ``--nproc=N``: torchrun would take ``--nproc`` for its
+    own ``--nproc-per-node`` (an abbreviation), and the ranks do not need it."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def relaunch_under_torchrun(
     script: str,
     nproc: int = 2,

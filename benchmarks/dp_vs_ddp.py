@@ -28,6 +28,7 @@ from _interleaved import (
     relaunch_under_torchrun,
     report,
     run_interleaved,
+    without_nproc,
 )
 
 VARIANTS = ("lamina", "ddp", "limit")
@@ -43,7 +44,7 @@ def main() -> None:
         "--nproc", type=int, default=2, help="ranks to launch without torchrun (default 2)"
     )
     args = parser.parse_args()
-    relaunch_under_torchrun(__file__, nproc=args.nproc, argv=_without_nproc(sys.argv[1:]))
+    relaunch_under_torchrun(__file__, nproc=args.nproc, argv=without_nproc(sys.argv[1:]))
 
     def wrap(variant: str, model: nn.Module) -> nn.Module:
         if variant == "lamina":
@@ -74,21 +75,6 @@ def main() -> None:
             {"lamina_bucket_cap_mb": args.bucket_cap_mb},
         )
     lamina.shutdown()
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    """``argv`` less ``--nproc N``: torchrun would take ``--nproc`` for its own
-    ``--nproc-per-node`` (an abbreviation), and the ranks do not need it."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
-from _interleaved import add_ratios, base_parser, relaunch_under_torchrun, report, run_interleaved
+from _interleaved import (
+    add_ratios,
+    base_parser,
+    relaunch_under_torchrun,
+    report,
+    run_interleaved,
+    without_nproc,
+)
 from lamina.strategies.zero3 import ShardedModule
 
 #: (variants, ratio pairs) by world size: with one rank the baseline is the plain model.
@@ -67,20 +74,6 @@ def output_name(nproc: int, device: str) -> str:
     )
 
 
-def _without_nproc() -> list[str]:
-    """This process's arguments without ``--nproc N`` / ``--nproc=N``."""
-    out: list[str] = []
-    skip = False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            out.append(arg)
-    return out
-
-
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0], "")
     parser.add_argument(
@@ -103,7 +96,7 @@ def main() -> None:
     # torchrun's own parser would take "--nproc" for an ambiguous "--nproc-per-node":
     # the ranks get the rank count from the environment instead
     relaunch_under_torchrun(
-        __file__, nproc=args.nproc, argv=[*_without_nproc(), "--output", args.output]
+        __file__, nproc=args.nproc, argv=[*without_nproc(sys.argv[1:]), "--output", args.output]
     )
     nproc = int(os.environ.get("WORLD_SIZE", args.nproc))
     variants, pairs = VARIANTS[nproc], PAIRS[nproc]

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch
+from lamina.checkpoint import CheckpointManager
 from lamina.errors import ConfigError
 
 
@@ -53,10 +57,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per rank")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="cap on the corpus size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save here every --checkpoint-every steps and at the end; resume from the "
+        "latest complete checkpoint found here",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints on a background thread while training goes on",
+    )
+    p.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="crash tests: rank --kill-rank SIGKILLs itself once after this step",
+    )
+    p.add_argument("--kill-rank", type=int, default=0)
     args = p.parse_args(argv)
     if min(args.max_steps, args.batch_size, args.seq_len, args.eval_every) < 1:
         p.error("--max-steps, --batch-size, --seq-len and --eval-every must be >= 1")
+    if args.checkpoint_every < 1 or args.keep < 1:
+        p.error("--checkpoint-every and --keep must be >= 1")
     return args
+
+
+def kill_once(directory: str | None, step: int) -> None:
+    """The crash tests' ``kill -9``: this rank dies here, once (a marker file next to the
+    checkpoints keeps the restarted job alive)."""
+    marker = Path(directory or ".") / f".killed-at-step-{step}"
+    if not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -134,6 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer, lambda s: lr_factor(s, max(1, warmup), args.max_steps)
         )
         generator = torch.Generator().manual_seed(args.seed + rt.rank)
+        manager = (
+            CheckpointManager(args.checkpoint_dir, args.keep, async_save=args.async_save)
+            if args.checkpoint_dir
+            else None
+        )
+        start = 0
+        if manager is not None:  # resume: weights, optimizer, schedule, RNG, data position
+            start = manager.load_latest(model, optimizer, schedule) or 0
+            if start and manager.extra is not None:
+                generator.set_state(manager.extra["data_generator"])
         tokens_per_step = args.batch_size * args.seq_len * rt.world_size
         if rt.is_main:
             print(
@@ -157,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with progress:
             task = progress.add_task("train", total=args.max_steps, loss=float("nan"), tps=0.0)
             rt.handle.synchronize()
-            for step in range(1, args.max_steps + 1):
+            for step in range(start + 1, args.max_steps + 1):
                 t0 = time.perf_counter()
                 x, y = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
                 loss = lm_loss(model(x.to(rt.device)), y.to(rt.device))
@@ -172,9 +218,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 train_seconds += time.perf_counter() - t0
                 losses.append(value)
                 window_sum, window_n = window_sum + value, window_n + 1
-                tps = tokens_per_step * step / train_seconds
+                tps = tokens_per_step * (step - start) / train_seconds
                 progress.update(task, completed=step, loss=value, tps=tps)
-                if step == 1 and rt.is_main:
+                if manager is not None and (
+                    step % args.checkpoint_every == 0 or step == args.max_steps
+                ):
+                    extra = {"data_generator": generator.get_state()}
+                    manager.save(step, model, optimizer, schedule, extra)
+                if step == args.kill_at_step and rt.rank == args.kill_rank:
+                    kill_once(args.checkpoint_dir, step)
+                if step == start + 1 and rt.is_main:
                     progress.console.print(
                         model.step_summary(),
                         markup=False,
@@ -193,7 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             highlight=False,
                             soft_wrap=True,
                         )
-        if rt.is_main:
+        if manager is not None:
+            manager.close()  # an async save still being written is committed first
+        if rt.is_main and not losses:
+            print(f"done: resumed at step {start} of {args.max_steps}: nothing left to train")
+        elif rt.is_main:
             elapsed = time.perf_counter() - started
             print(
                 f"done: {args.max_steps} steps | train loss {losses[0]:.4f} -> {losses[-1]:.4f}"

@@ -77,7 +77,6 @@ def test_sweep_on_two_ranks(tmp_path: Path) -> None:
         assert record["busbw_gbps"] == pytest.approx(record["algbw_gbps"] * record["busbw_factor"])
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_algorithm_sweep_on_an_interleaved_two_host_layout(tmp_path: Path) -> None:
     from topologies_for_tests import two_hosts_interleaved

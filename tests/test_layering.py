@@ -30,8 +30,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "verify": ("strategies", "session", "api", "cli", "graph", "memory"),
     "strategies": ("api", "cli"),
     "simulate": ("strategies", "session", "api", "cli"),
+    "checkpoint": ("cli",),
     # launch tools: they start processes and read the environment, nothing of lamina's
     "emulate": STANDALONE,
+    "data": STANDALONE,
     "launch": STANDALONE,
 }
 

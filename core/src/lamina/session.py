@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore  # type: ignore[attr-defined]
+from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from lamina.device.backend import Backend
 from lamina.device.handle import DeviceHandle
@@ -232,6 +232,33 @@ def current() -> Runtime | None:
     return _RUNTIME
 
 
+#: torchrun's count of restarts of this worker group (0 on the first attempt).
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _attempt_store(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> Store | None:
+    """Under torchrun (``env://``), the agent's store with a prefix per restart attempt.
+
+    torchrun keeps one store across restarts (``TORCHELASTIC_USE_AGENT_STORE``) and
+    ``env://`` adds no prefix, so a restarted gloo group reads the dead attempt's peer
+    addresses and fails to connect (measured with torch 2.13: every ``--max-restarts``
+    restart failed in ``connectFullMesh``). Keys under ``lamina/attempt-<n>/`` start
+    clean. None outside torchrun or for other init methods (``xla://``)."""
+    attempt = os.environ.get(RESTART_COUNT_ENV)
+    if attempt is None or backend.init_method != "env://":
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    client = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launch.world_size,
+        is_master=not agent and launch.rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
+    return PrefixStore(f"lamina/attempt-{attempt}/", client)
+
+
 def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> bool:
     if dist.is_initialized():
         if dist.get_world_size() != launch.world_size:
@@ -252,9 +279,11 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
                 f"{name} is not set for a {launch.world_size}-rank job; launch with torchrun "
                 "(or `lamina run`), which sets it"
             )
+    attempt_store = _attempt_store(backend, launch, timeout)
     dist.init_process_group(
         backend.collective_backend,
-        init_method=backend.init_method,
+        init_method=None if attempt_store is not None else backend.init_method,
+        store=attempt_store,
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,

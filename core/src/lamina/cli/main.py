@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from lamina.cli.bench import add_bench_parsers
+from lamina.cli.checkpoint import add_checkpoint_parser
 from lamina.cli.emulate import add_emulate_parser
 from lamina.cli.plan import add_plan_parsers
 from lamina.cli.plugin import add_plugin_parser
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_parser(sub)
     add_emulate_parser(sub)
     add_topo_parser(sub)
+    add_checkpoint_parser(sub)
     return parser
 
 

@@ -37,6 +37,7 @@ import torch.distributed.distributed_c10d as c10d
 from lamina.comm.cost import ALGORITHMS, unavailable_algorithms
 from lamina.comm.layout import HostLayout
 from lamina.trace.recorder import lamina_internal
+from lamina.works import AllWorks
 
 #: Store prefix of the renumbered ring groups.
 ORDERED_PREFIX = "lamina/ordered-ring"
@@ -71,23 +72,6 @@ class ThreadWork:
 
         self._future.add_done_callback(finish)
         return done
-
-
-class Works:
-    """Several works waited for as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = [w for w in works if w is not None]
-
-    def wait(self) -> bool:
-        """Wait for each."""
-        for work in self.works:
-            work.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """A future completed when all are."""
-        return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
 class AlgorithmGroups:
@@ -183,7 +167,7 @@ class AlgorithmGroups:
             raise ValueError(f"the groups of {algorithm!r} were not built: pass it in needed=")
         stages = max(1, chunks) if algorithm == "pipelined" else 1
 
-        def run() -> Works:
+        def run() -> AllWorks:
             with lamina_internal(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 return self._hierarchical(tensor, stages)
@@ -196,7 +180,7 @@ class AlgorithmGroups:
 
         return ThreadWork(self._worker.submit(run_and_wait))
 
-    def _hierarchical(self, tensor: torch.Tensor, chunks: int) -> Works:
+    def _hierarchical(self, tensor: torch.Tensor, chunks: int) -> AllWorks:
         """The three phases on ``chunks`` pieces, software-pipelined: at tick ``t`` the
         intra-host all-gather of chunk ``t-2``, the inter-host all-reduce of chunk
         ``t-1`` and the intra-host reduce-scatter of chunk ``t`` are in flight."""
@@ -222,7 +206,7 @@ class AlgorithmGroups:
                 reduced[mid] = (dist.all_reduce(shard, group=self.inter, async_op=True), shard)
             if tick < chunks:
                 scattered[tick] = self.scatter_in_host(parts[tick])
-        result = Works(gathered)
+        result = AllWorks(gathered)
         if padded is not tensor:
             result.wait()
             tensor.copy_(padded[: tensor.numel()])
@@ -261,7 +245,7 @@ class AlgorithmGroups:
             slots = part.view(local, -1)
             slots[self._local_index()].copy_(shard)
             members = self.layout.hosts[self.layout.host_of(self.rank)]
-            return Works(
+            return AllWorks(
                 [
                     dist.broadcast(slot, members[k], group=self.intra, async_op=True)
                     for k, slot in enumerate(slots)

@@ -40,13 +40,13 @@ from torch import nn
 
 from lamina.device.handle import DeviceHandle, Stream
 from lamina.memory.gather import (
-    AllWorks,
     Primitive,
     gather_full,
     gather_unsharded,
     reduce_scatter_start,
 )
 from lamina.memory.layout import UnitLayout
+from lamina.works import AllWorks
 
 
 class GatherObserver(Protocol):

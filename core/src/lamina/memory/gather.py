@@ -13,32 +13,17 @@ rank's slot) work everywhere. Which form a unit uses is decided by its execution
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+
+from lamina.works import AllWorks
 
 if TYPE_CHECKING:
     from lamina.memory.layout import UnitLayout
 
 Primitive = Literal["native", "all_reduce", "broadcast", "all_to_all"]
-
-
-class AllWorks:
-    """Several async works waited for as one (the broadcasts of one gather)."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        """Wait for every work."""
-        for work in self.works:
-            work.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """A future that completes when every work has (for the trace recorder)."""
-        return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
