@@ -84,11 +84,23 @@ def _load_error(directory: str, width: int = 16) -> str:
     return f"loaded step {step}"
 
 
+def _build(strategy: str, directory: Path) -> Any:
+    results = run_ranks(_train_and_save, 2, args=(strategy, str(directory)), timeout=180)
+    return strategy, directory, results
+
+
+@pytest.fixture(scope="module")
+def dp_saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A DP checkpoint of 2 ranks (steps 2 and 3 kept)."""
+    return _build("dp", tmp_path_factory.mktemp("ckpt-dp"))
+
+
 @pytest.fixture(scope="module", params=["dp", "zero3"])
 def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    directory = tmp_path_factory.mktemp(f"ckpt-{request.param}")
-    results = run_ranks(_train_and_save, 2, args=(request.param, str(directory)), timeout=180)
-    return request.param, directory, results
+    """A checkpoint of 2 ranks per strategy (the DP one is ``dp_saved``)."""
+    if request.param == "dp":
+        return request.getfixturevalue("dp_saved")
+    return _build(request.param, tmp_path_factory.mktemp(f"ckpt-{request.param}"))
 
 
 def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -117,9 +129,9 @@ def test_resume_on_any_world_size_restores_the_saved_state(saved: Any, world: in
 
 
 @pytest.fixture
-def copy_of(saved: Any, tmp_path: Path) -> Path:
+def copy_of(dp_saved: Any, tmp_path: Path) -> Path:
     target = tmp_path / "copy"
-    shutil.copytree(saved[1], target)
+    shutil.copytree(dp_saved[1], target)
     return target
 
 
@@ -151,32 +163,24 @@ def _flip(path: Path) -> None:
     ids=["flipped-byte", "truncated", "missing-rank-file", "metadata"],
 )
 def test_a_damaged_file_is_named_before_any_tensor_is_read(
-    saved: Any, copy_of: Path, change: Any, expected: str
+    copy_of: Path, change: Any, expected: str
 ) -> None:
-    if saved[0] != "dp":
-        pytest.skip("one strategy covers the file checks")
     message, _ = _corrupt_and_load(copy_of, change)
     assert expected in message and "resume from another step" in message, message
     assert "\n" not in message
 
 
 @pytest.mark.timeout(240)
-def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(
-    saved: Any, copy_of: Path
-) -> None:
-    if saved[0] != "dp":
-        pytest.skip("one strategy covers the model check")
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(copy_of: Path) -> None:
     message = run_ranks(_load_error, 2, args=(str(copy_of), 32), timeout=120)[0]
     assert "tensor 'module.0.bias' is [16] float32 there and [32] float32 here" in message
 
 
 @pytest.mark.timeout(240)
 def test_only_an_incomplete_save_starts_fresh_and_the_next_save_removes_it(
-    tmp_path: Path, saved: Any
+    tmp_path: Path, dp_saved: Any
 ) -> None:
-    if saved[0] != "dp":
-        pytest.skip("one strategy covers it")
-    shutil.copytree(saved[1] / "step-3", tmp_path / "step-7.incomplete")
+    shutil.copytree(dp_saved[1] / "step-3", tmp_path / "step-7.incomplete")
     assert run_ranks(_load_error, 2, args=(str(tmp_path),), timeout=120)[0] == "loaded step None"
     run_ranks(_train_and_save, 2, args=("dp", str(tmp_path)), timeout=180)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
