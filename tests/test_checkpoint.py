@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import lamina
+from files_for_tests import flip_byte
 from lamina.checkpoint import CheckpointManager
 from lamina.errors import ConfigError
 from lamina.testing import run_ranks
@@ -145,20 +146,14 @@ def _corrupt_and_load(directory: Path, change: Any) -> tuple[str, dict[str, byte
     return message, after
 
 
-def _flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda d: _flip(d / "__1_0.distcp"), "__1_0.distcp does not match its sha256"),
+        (lambda d: flip_byte(d / "__1_0.distcp"), "__1_0.distcp does not match its sha256"),
         (lambda d: os.truncate(d / "__0_0.distcp", 10), "__0_0.distcp has 10 bytes"),
         (lambda d: (d / "rank-1.pt").unlink(), "rank-1.pt is missing"),
-        (lambda d: _flip(d / ".metadata"), ".metadata does not match its sha256"),
+        (lambda d: flip_byte(d / ".metadata"), ".metadata does not match its sha256"),
     ],
     ids=["flipped-byte", "truncated", "missing-rank-file", "metadata"],
 )

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from files_for_tests import flip_byte
 from lamina.checkpoint.inspect import (
     bitwise_equal,
     diff_states,
@@ -126,21 +127,15 @@ def test_verify_ok(saved: dict[str, Path], capsys: pytest.CaptureFixture[str]):
     assert code == 0 and out.startswith("OK step-2")
 
 
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
-        (lambda d: _flip_byte(d / "__1_0.distcp"), "__1_0.distcp does not match its sha256"),
+        (lambda d: flip_byte(d / "__1_0.distcp"), "__1_0.distcp does not match its sha256"),
         (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-7]),
          "__0_0.distcp has"),
         (lambda d: (d / "rank-1.pt").unlink(), "rank-1.pt is missing"),
-        (lambda d: _flip_byte(d / ".metadata"), ".metadata does not match"),
+        (lambda d: flip_byte(d / ".metadata"), ".metadata does not match"),
         (lambda d: (d / "notes.txt").write_text("hi"), "notes.txt is not in the manifest"),
         (lambda d: (d / "manifest.json").write_text("[]"), "'format' is not"),
     ],
@@ -213,7 +208,7 @@ def test_zero3_shards_are_joined(saved: dict[str, Path]):
 @pytest.mark.timeout(300)
 def test_diff_of_a_corrupted_checkpoint_is_an_error(saved: dict[str, Path], tmp_path: Path):
     root = _copy(saved, tmp_path)
-    _flip_byte(root / "step-3" / ".metadata")
+    flip_byte(root / "step-3" / ".metadata")
     result = run_lamina("checkpoint", "diff", str(saved["dp"]), str(root))
     assert result.returncode == 2
     assert ".metadata does not match its sha256" in result.stderr

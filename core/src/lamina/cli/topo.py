@@ -116,7 +116,8 @@ def place_command(args: argparse.Namespace) -> int:
 
 
 def add_topo_parser(subparsers: Any) -> None:
-    """Register ``topo`` (with its ``probe`` subcommand) on the ``lamina`` parsers."""
+    """Register ``topo`` (with its ``probe`` and ``place`` subcommands) on the ``lamina``
+    parsers."""
     topo = subparsers.add_parser("topo", help="measure the job's topology")
     kinds = topo.add_subparsers(dest="topo_command", required=True, metavar="COMMAND")
     probe = kinds.add_parser(

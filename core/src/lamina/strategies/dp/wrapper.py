@@ -118,7 +118,9 @@ class DataParallel(nn.Module):
             for name in self.graph.param_names
         ]
         unused = set(self.graph.unused)
-        alpha, beta = self._bucket_latency()
+        if len(self._ranks) > 1:
+            self._cost_model = CostModel.from_topology(self.runtime.topology, self._ranks)
+        alpha, beta = self._bucket_latency(self._cost_model)
         cap = self._cap_bytes or auto_bucket_cap(
             [p for p in specs if p.name not in unused], alpha_s=alpha, beta_s_per_byte=beta
         )
@@ -191,16 +193,13 @@ class DataParallel(nn.Module):
     def _whole_job(self) -> bool:
         return len(self._ranks) == dist.get_world_size()
 
-    def _bucket_latency(self) -> tuple[float, float]:
+    def _bucket_latency(self, model: CostModel | None) -> tuple[float, float]:
         """alpha and beta of the group's all-reduce for the bucket planner, from the cost
         model of measured links (its best algorithm at 1 byte and at 64 MiB); without
-        measured links, the planner's defaults (measured for gloo on one host)."""
-        defaults = (GLOO_ALPHA_S, GLOO_BETA_S_PER_BYTE)
-        if len(self._ranks) == 1:
-            return defaults
-        model = self._cost_model = CostModel.from_topology(self.runtime.topology, self._ranks)
-        if model.source == "topology":  # estimates, not measurements
-            return defaults
+        measured links (or one rank), the planner's defaults (measured for gloo on one
+        host)."""
+        if model is None or model.source == "topology":  # estimates, not measurements
+            return GLOO_ALPHA_S, GLOO_BETA_S_PER_BYTE
         unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
         runnable = [a for a in ALGORITHMS if a not in unavailable]
         large = 64 * MIB
