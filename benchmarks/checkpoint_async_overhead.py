@@ -29,6 +29,15 @@ from _results import write_results
 from lamina.checkpoint import CheckpointManager
 
 
+def still_saving(manager: CheckpointManager) -> bool:
+    """Whether any rank's background save is still running: every rank must take the
+    same number of steps (each holds collectives), so they decide together."""
+    pending = manager._pending is not None and not manager._pending[1].done()
+    flag = torch.tensor([int(pending)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -81,7 +90,7 @@ def main() -> None:
             background.save(round_, model, optimizer)
             times["async_start"].append(time.perf_counter() - start)
             times["async_during"].append(times["async_start"][-1])
-            while background._pending is not None and not background._pending[1].done():
+            while still_saving(background):
                 start = time.perf_counter()
                 step()
                 times["async_during"].append(time.perf_counter() - start)

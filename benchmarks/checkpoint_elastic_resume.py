@@ -6,8 +6,11 @@ elastic rendezvous on the first one's port) training ``examples/train_gpt.py`` w
 checkpoint every 10 steps; once step 30 is committed, every process of the second node
 (agent and worker) is SIGKILLed. torchrun restarts the survivor, whose rendezvous
 closes with one node: the job goes on with 1 rank, resumes from the last checkpoint
-saved on 2 ranks (DCP reshards) and trains to the end. Prints what happened and writes
-JSON::
+saved on 2 ranks (DCP reshards) and trains to the end. The example's data position
+(``EpochSampler``: windows the whole job consumed) must then be the windows of the
+steps before the resume at 2 ranks x ``--batch-size`` plus those after it at 1 rank:
+the survivor carried on mid-epoch, repeating and skipping nothing. Prints what
+happened and writes JSON::
 
     python benchmarks/checkpoint_elastic_resume.py   # results/checkpoint_elastic_resume.json
 """
@@ -25,13 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from _results import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVERY, KILL_AFTER = 200, 10, 30
+STEPS, EVERY, KILL_AFTER, BATCH = 200, 10, 30, 4
 GPT_ARGS = [
     "--max-steps", str(STEPS), "--d-model", "32", "--n-layers", "1", "--seq-len", "32",
-    "--batch-size", "4", "--eval-every", "50", "--corpus-mb", "0.5",
+    "--batch-size", str(BATCH), "--eval-every", "50", "--corpus-mb", "0.5",
     "--checkpoint-every", str(EVERY),
 ]  # fmt: skip
 
@@ -40,6 +45,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def data_position(step: Path) -> dict[str, int] | None:
+    """The example's sampler position saved in ``step`` (rank 0's ``extra``)."""
+    path = step / "rank-0.pt"
+    if not path.is_file():
+        return None
+    data = torch.load(path, weights_only=True)["extra"]["data"]
+    return {"epoch": int(data["epoch"]), "position": int(data["position"])}
 
 
 def main() -> None:
@@ -92,6 +106,7 @@ def main() -> None:
             "saved_on_ranks": int(resumed[-1][1]) if resumed else None,
             "final_steps": int(done[-1]) if done else None,
             "committed_steps": sorted(int(p.name[5:]) for p in directory.glob("step-*")),
+            "data_position": data_position(directory / f"step-{STEPS}"),
         }
     print(
         f"exit {result['exit_status']}: world sizes {result['world_sizes']}, resumed from "
@@ -100,6 +115,11 @@ def main() -> None:
     )
     ok = result["exit_status"] == 0 and result["world_sizes"][-1:] == [1]
     ok = ok and result["saved_on_ranks"] == 2 and result["final_steps"] == STEPS
+    if result["resumed_from"]:
+        resumed_at = int(str(result["resumed_from"]).removeprefix("step-"))
+        expected = {"epoch": 0, "position": BATCH * (2 * resumed_at + (STEPS - resumed_at))}
+        result["expected_data_position"] = expected
+        ok = ok and result["data_position"] == expected
     write_results("checkpoint_elastic_resume", args.output, {**result, "ok": ok})
     if not ok:
         sys.exit(1)

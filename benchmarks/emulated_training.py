@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
@@ -41,8 +42,9 @@ PAIRS = (("dp", "ddp"), ("hsdp", "fsdp2"), ("hsdp", "ddp"))
 INNER_ENV = "LAMINA_EMULATED_TRAINING_INNER"
 
 
-def relaunch_emulated(link: str) -> None:
-    """Outside the emulated job: start it (4 ranks on 2 emulated hosts) and exit."""
+def relaunch_emulated(link: str, script: str = __file__) -> None:
+    """Outside the emulated job: start ``script`` in it (4 ranks on 2 emulated hosts)
+    and exit."""
     if os.environ.get(INNER_ENV):
         return
     if os.geteuid() != 0:
@@ -50,21 +52,21 @@ def relaunch_emulated(link: str) -> None:
     cmd = [
         sys.executable, "-m", "lamina.cli.main", "emulate", "--hosts", "2",
         "--nproc-per-host", "2", "--link", link, "--rank-order", "interleaved",
-        "--timeout", "1500", "--", "lamina", "run", os.path.abspath(__file__), *sys.argv[1:],
+        "--timeout", "1500", "--", "lamina", "run", os.path.abspath(script), *sys.argv[1:],
     ]  # fmt: skip
     env = {**os.environ, INNER_ENV: "1", "LAMINA_TOPOLOGY": "probe"}
     sys.exit(subprocess.call(cmd, env=env))
 
 
-def lossless_check(steps: int = 5) -> float:
-    """Max parameter difference between lamina DP and DDP after ``steps`` AdamW steps
-    from one initialization on the same batches."""
+def lossless_check(steps: int = 5, strategy: str = "dp", **options: Any) -> float:
+    """Max parameter difference between lamina's ``strategy`` and DDP after ``steps``
+    AdamW steps from one initialization on the same batches."""
     runtime = lamina.current()
     assert runtime is not None
     build, make_batch, loss_fn = workloads(runtime.rank)["gpt"]
     torch.manual_seed(0)
     initial = build()
-    ours = lamina.distribute(copy.deepcopy(initial), "dp")
+    ours = lamina.distribute(copy.deepcopy(initial), strategy, **options)
     ddp = DDP(copy.deepcopy(initial))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, ddp)]
     for step in range(steps):
@@ -74,9 +76,14 @@ def lossless_check(steps: int = 5) -> float:
             opt.step()
             opt.zero_grad(set_to_none=True)
     return max(
-        (a - b).abs().max().item()
+        (_whole(a) - b).abs().max().item()
         for a, b in zip(ours.parameters(), ddp.module.parameters(), strict=True)
     )
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter gathered whole (a plain one as it is)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def main() -> None:

@@ -95,6 +95,22 @@ def load_char_corpus(
     return CharCorpus(chars, train, val, files)
 
 
+def window_count(data: torch.Tensor, seq_len: int) -> int:
+    """How many windows of ``seq_len`` tokens (plus the next one as target) ``data`` holds
+    end to end."""
+    return (len(data) - 1) // seq_len
+
+
+def window_batch(
+    data: torch.Tensor, indices: list[int], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows number ``indices`` (window ``k`` starts at ``k * seq_len``) as inputs, and
+    the same shifted by one as targets."""
+    starts = torch.tensor(indices, dtype=torch.long) * seq_len
+    tokens = data[starts[:, None] + torch.arange(seq_len + 1)]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def sample_batch(
     data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,12 @@ runs on every lamina backend (cpu, cuda, xla, npu) with no edits:
     lamina run --nproc-per-node 2 examples/train_gpt.py --max-steps 30
     lamina run --nproc-per-node 8 --backend cuda examples/train_gpt.py --d-model 512
 
-Each rank samples its own random windows (seed + rank); ``lamina.distribute`` averages
-the gradients. Rank 0 shows a progress bar, periodic train/validation losses (averaged
-over all ranks) and a final summary line.
+The training text is cut into windows of ``--seq-len`` tokens; each epoch shuffles them
+(``lamina.data.EpochSampler``, seed ``--seed``) and every step each rank takes its
+slice of the next global batch; ``lamina.distribute`` averages the gradients. A resumed
+job carries on from the saved position in the epoch, on any number of ranks, so no
+window is repeated or skipped. Rank 0 shows a progress bar, periodic train/validation
+losses (averaged over all ranks) and a final summary line.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
-from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch
+from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
 from lamina.checkpoint import CheckpointManager
+from lamina.data import EpochSampler
 from lamina.errors import ConfigError
 
 
@@ -169,7 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, max(1, warmup), args.max_steps)
         )
-        generator = torch.Generator().manual_seed(args.seed + rt.rank)
+        windows = window_count(corpus.train, args.seq_len)
+        if windows < args.batch_size * rt.world_size:
+            raise SystemExit(
+                f"train_gpt: the corpus holds {windows} windows of {args.seq_len} tokens, "
+                f"fewer than one step's {args.batch_size} x {rt.world_size} ranks; raise "
+                "--corpus-mb or lower --batch-size / --seq-len"
+            )
+        sampler = EpochSampler(
+            windows, args.batch_size, rt.rank, rt.world_size, seed=args.seed, drop_last=True
+        )
         manager = (
             CheckpointManager(args.checkpoint_dir, args.keep, async_save=args.async_save)
             if args.checkpoint_dir
@@ -178,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = 0
         if manager is not None:  # resume: weights, optimizer, schedule, RNG, data position
             start = manager.load_latest(model, optimizer, schedule) or 0
-            if start and manager.extra is not None:
-                generator.set_state(manager.extra["data_generator"])
+            if start and manager.extra is not None:  # on any number of ranks
+                sampler.load_state_dict(manager.extra["data"])
         tokens_per_step = args.batch_size * args.seq_len * rt.world_size
         if rt.is_main:
             print(
@@ -205,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rt.handle.synchronize()
             for step in range(start + 1, args.max_steps + 1):
                 t0 = time.perf_counter()
-                x, y = sample_batch(corpus.train, args.batch_size, args.seq_len, generator)
+                x, y = window_batch(corpus.train, sampler.next_batch(), args.seq_len)
                 loss = lm_loss(model(x.to(rt.device)), y.to(rt.device))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -223,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if manager is not None and (
                     step % args.checkpoint_every == 0 or step == args.max_steps
                 ):
-                    extra = {"data_generator": generator.get_state()}
+                    extra = {"data": sampler.state_dict()}
                     manager.save(step, model, optimizer, schedule, extra)
                 if step == args.kill_at_step and rt.rank == args.kill_rank:
                     kill_once(args.checkpoint_dir, step)

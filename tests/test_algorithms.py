@@ -1,5 +1,7 @@
-"""Every all-reduce algorithm equals the flat all-reduce: exactly on integers, within
-1e-6 on floats; on 4 gloo ranks laid out as 2 hosts x 2, interleaved."""
+"""Every all-reduce algorithm equals the flat all-reduce, and ZeRO-3's hierarchical
+gather and reduce-scatter equal the flat ones: exactly on integers, within 1e-6 on
+floats; on 4 gloo ranks laid out as 2 hosts x 2, interleaved (and, for the sharded
+collectives, also with the hosts' ranks in a row, where the slots are permuted)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 import lamina
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.layout import HostLayout
+from lamina.memory.hierarchy import HostHierarchy
 from lamina.testing import run_ranks
 from topologies_for_tests import two_hosts_interleaved
 
@@ -21,6 +24,12 @@ WORLD = 4
 #: (algorithm, chunks); sizes include ones that need padding to equal shards.
 CASES = (("ordered", 1), ("hierarchical", 1), ("pipelined", 2), ("pipelined", 4))
 SIZES = (1, 7, 1000, 4099)
+#: Host layouts of the sharded collectives: as launched (cyclic), and in a row.
+SHARDED_LAYOUTS = {
+    "interleaved": HostLayout(("node-a", "node-b"), ((0, 2), (1, 3))),
+    "in-a-row": HostLayout(("node-a", "node-b"), ((0, 1), (2, 3))),
+}
+SHARD_SIZES = (1, 1000)
 
 
 def _compare_all() -> dict[str, Any]:
@@ -47,6 +56,53 @@ def _compare_all() -> dict[str, Any]:
                 else:
                     out[key] = float((got - expected).abs().max() / expected.abs().max())
     groups.close()
+    for name, host_layout in SHARDED_LAYOUTS.items():
+        out.update(_compare_sharded(name, host_layout, runtime.rank))
+    return out
+
+
+def _hierarchy(layout: HostLayout, rank: int) -> tuple[AlgorithmGroups, HostHierarchy]:
+    groups = AlgorithmGroups(layout, rank, pg_backend="gloo", needed=("hierarchical",))
+    return groups, HostHierarchy(
+        intra_ranks=next(h for h in layout.local_groups() if rank in h),
+        intra=groups.intra,
+        inter_ranks=next(tuple(sorted(c)) for c in layout.cross_groups() if rank in c),
+        inter=groups.inter,
+        order=HostHierarchy.slot_order(layout.hosts),
+        native=False,
+        worker=groups.worker,
+    )
+
+
+def _compare_sharded(name: str, layout: HostLayout, rank: int) -> dict[str, Any]:
+    """The hierarchical gather and reduce-scatter (mean) of ``layout`` against the flat
+    ones; "integer" tensors hold whole numbers in float64, whose mean over 4 ranks is
+    exact, so they must match bit for bit."""
+    groups, hierarchy = _hierarchy(layout, rank)
+    out: dict[str, Any] = {f"order/{name}": list(hierarchy.order)}
+    for size in SHARD_SIZES:
+        gen = torch.Generator().manual_seed(7 * rank + size)
+        whole = torch.randint(-(2**40), 2**40, (WORLD * size,), generator=gen).double()
+        floats = torch.randn(WORLD * size, generator=gen, dtype=torch.float32)
+        for dtype, tensor in (("integer", whole), ("float32", floats)):
+            summed = tensor.clone()
+            dist.all_reduce(summed)
+            mine = summed.view(WORLD, size)[rank] / WORLD
+            work, result = hierarchy.reduce_scatter_start(tensor.clone())
+            work.wait()
+            got = result()
+            shard = tensor.view(WORLD, size)[rank].clone()
+            full = torch.empty_like(tensor)
+            hierarchy.gather(shard, full).wait()
+            flat = [torch.empty_like(shard) for _ in range(WORLD)]
+            dist.all_gather(flat, shard)
+            key = f"{name}/{size}/{dtype}"
+            if dtype == "integer":
+                out[f"scatter/{key}"] = bool(torch.equal(got, mine))
+            else:
+                out[f"scatter/{key}"] = float((got - mine).abs().max() / mine.abs().max())
+            out[f"gather/{key}"] = bool(torch.equal(full, torch.cat(flat)))
+    groups.close()
     return out
 
 
@@ -72,3 +128,24 @@ def test_every_algorithm_equals_the_flat_all_reduce(
     for rank, result in enumerate(results):
         assert result[f"{algorithm}/{chunks}/{size}/int64"] is True, rank
         assert result[f"{algorithm}/{chunks}/{size}/float32"] <= 1e-6, rank
+
+
+@pytest.mark.timeout(300)
+def test_sharded_slot_order_is_identity_only_for_cyclic_ranks(
+    results: list[dict[str, Any]],
+) -> None:
+    assert results[0]["order/interleaved"] == [0, 1, 2, 3]
+    assert results[0]["order/in-a-row"] == [0, 2, 1, 3]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", SHARDED_LAYOUTS)
+@pytest.mark.parametrize("size", SHARD_SIZES)
+def test_hierarchical_gather_and_reduce_scatter_equal_the_flat_ones(
+    results: list[dict[str, Any]], layout: str, size: int
+) -> None:
+    for rank, result in enumerate(results):
+        assert result[f"gather/{layout}/{size}/integer"] is True, rank
+        assert result[f"gather/{layout}/{size}/float32"] is True, rank
+        assert result[f"scatter/{layout}/{size}/integer"] is True, rank
+        assert result[f"scatter/{layout}/{size}/float32"] <= 1e-6, rank

@@ -189,6 +189,18 @@ def test_bad_manager_arguments_are_one_line_errors(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "file")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="threads are scheduled one by one on Linux")
+def test_the_background_writer_yields_the_cpu_to_the_training(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, async_save=True)
+    worker = manager._worker
+    assert worker is not None
+    policy = worker.submit(os.sched_getscheduler, 0).result()
+    nice = worker.submit(os.getpriority, os.PRIO_PROCESS, 0).result()
+    assert policy == os.SCHED_IDLE or nice == 19
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's thread is untouched
+    manager.close()
+
+
 # -- exact resume of the example after kill -9 ----------------------------------------------
 GPT_ARGS = [
     "--max-steps", "8", "--d-model", "32", "--n-layers", "1", "--seq-len", "32",

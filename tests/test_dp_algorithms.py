@@ -1,5 +1,6 @@
-"""DP buckets on the topology-aware all-reduce algorithms: equal to torch DDP, chosen by
-the cost model, recorded in the plan. 4 gloo ranks laid out as 2 hosts x 2, interleaved
+"""DP buckets on the topology-aware all-reduce algorithms, and ZeRO-3 units on the
+hierarchical gather / reduce-scatter: equal to torch DDP, chosen by the cost model,
+recorded in the plan. 4 gloo ranks laid out as 2 hosts x 2, interleaved
 (ranks 0, 2 on one host), with a slow link between the hosts."""
 
 from __future__ import annotations
@@ -53,9 +54,36 @@ def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
     }
 
 
+def _zero3_against_ddp(rank: int) -> dict[str, Any]:
+    """ZeRO-3 with ``algorithm="auto"`` (small units: the GPT's blocks are units)."""
+    initial = build("gpt", seed=rank)
+    ours = lamina.distribute(copy.deepcopy(initial), "zero3", min_unit_numel=0)
+    ddp = DDP(copy.deepcopy(initial))
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        x, y = batch("gpt", step, rank)
+        for model, opt in ((ours, opt_ours), (ddp, opt_ddp)):
+            loss_of("gpt", model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    full = {k: v.full_tensor() for k, v in ours.state_dict().items()}
+    diff = max((full[k] - v).abs().max().item() for k, v in ddp.module.state_dict().items())
+    plan = ours.execution_plan
+    sharded = [n for n in plan.nodes if n.kind == "gather" or n.id.endswith(".reduce_scatter")]
+    return {
+        "diff": diff,
+        "chosen": sorted({n.attr("algorithm") for n in sharded}),
+        "fallbacks": sorted({f.primary for f in plan.fallbacks if f.primary.startswith("algo")}),
+        "fingerprint": plan.fingerprint,
+    }
+
+
 def _job() -> dict[str, Any]:
     runtime = lamina.init()
-    return {a: _against_ddp(a, runtime.rank) for a in ALGORITHMS}
+    out = {a: _against_ddp(a, runtime.rank) for a in ALGORITHMS}
+    out["zero3"] = _zero3_against_ddp(runtime.rank)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +117,15 @@ def test_auto_picks_a_hierarchical_algorithm_across_the_slow_link(
     assert set(auto["chosen"]) <= {"hierarchical", "pipelined"}, auto["chosen"]
     assert all("flat=" in p and "hierarchical=" in p for p in auto["predicted"])
     assert "2 host(s) x 2" in auto["cost_model"]
+
+
+@pytest.mark.timeout(360)
+def test_zero3_runs_hierarchically_across_the_slow_link_and_equals_ddp(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(results):
+        zero3 = result["zero3"]
+        assert zero3["diff"] <= 1e-5, (rank, zero3)
+        assert zero3["fingerprint"] == results[0]["zero3"]["fingerprint"]
+    assert results[0]["zero3"]["chosen"] == ["hierarchical"]
+    assert results[0]["zero3"]["fallbacks"] == ["algorithm:hierarchical"]

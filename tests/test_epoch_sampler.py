@@ -48,3 +48,14 @@ def test_bad_arguments_and_foreign_states_are_refused() -> None:
     state = EpochSampler(10, 2, 0, 1, seed=1).state_dict()
     with pytest.raises(ConfigError, match="seed=1 but this sampler 2"):
         EpochSampler(10, 2, 0, 1, seed=2).load_state_dict(state)
+
+
+def test_drop_last_gives_only_full_batches_and_skips_the_short_tail() -> None:
+    n, batch, world = 23, 2, 3  # 3 full global batches of 6, then 5 left over
+    samplers = [EpochSampler(n, batch, r, world, seed=1, drop_last=True) for r in range(world)]
+    epoch = _run(samplers, 3)
+    assert len(set(epoch)) == 18
+    following = [s.next_batch() for s in samplers]  # the tail is skipped: a new epoch
+    assert all(len(b) == batch for b in following) and samplers[0].epoch == 1
+    with pytest.raises(ConfigError, match="no full global batch"):
+        EpochSampler(5, 2, 0, 3, drop_last=True)

@@ -15,7 +15,8 @@ A save of step ``n`` (every rank calls it, as it does the training step):
 4. a barrier: no rank goes on before the commit.
 
 With ``async_save=True`` steps 2-4 run on a background thread after the state is copied
-(the training goes on meanwhile); their collectives use a gloo group of their own, and
+(the training goes on meanwhile, ahead of the writer thread, which runs at the lowest CPU
+priority); their collectives use a gloo group of their own, and
 the next save (or :meth:`CheckpointManager.wait` / ``close``) waits for the commit, at
 most ``async_timeout_s``.
 
@@ -37,12 +38,15 @@ directory keeps a restarted job from dying again).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import datetime
 import json
 import os
 import shutil
 import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,7 +174,9 @@ class CheckpointManager:
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
         self._worker = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lamina-checkpoint")
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="lamina-checkpoint", initializer=_yield_to_training
+            )
             if self.async_save
             else None
         )
@@ -424,3 +430,22 @@ def _maybe_die(point: str, rank: int, step: int, root: Path) -> None:
 
 
 __all__ = ["CheckpointManager", "tensor_specs"]
+
+
+#: Nice value of the background writer thread where ``SCHED_IDLE`` is refused.
+WRITER_NICE = 19
+
+
+def _yield_to_training() -> None:
+    """Put the background writer thread on ``SCHED_IDLE`` (else nice 19), so the
+    training's threads run first and the save takes the CPU they leave; waiting for the
+    save (the next ``save``, ``wait``, ``close``) leaves it the CPU. Linux schedules
+    threads one by one (elsewhere these calls would lower the whole process: left alone)."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # not permitted: the writer keeps its priority
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)

@@ -24,7 +24,6 @@ measured in :mod:`lamina.runtime.primitives`); other backends use their native o
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import warnings
 from collections.abc import Callable, Iterable
@@ -37,41 +36,11 @@ import torch.distributed.distributed_c10d as c10d
 from lamina.comm.cost import ALGORITHMS, unavailable_algorithms
 from lamina.comm.layout import HostLayout
 from lamina.trace.recorder import lamina_internal
-from lamina.works import AllWorks
+from lamina.works import AllWorks, SerialWorker, ThreadWork
 
 #: Store prefix of the renumbered ring groups.
 ORDERED_PREFIX = "lamina/ordered-ring"
 _ORDERED_COUNT = [0]
-
-
-class ThreadWork:
-    """A collective run on a worker thread, waited for like a torch ``Work``."""
-
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
-        self._future = future
-
-    def wait(self) -> bool:
-        """Block until the algorithm finished (re-raising its error)."""
-        self._future.result()
-        return True
-
-    def is_completed(self) -> bool:
-        """True once the algorithm finished."""
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future[None]:
-        """A torch future completed with the algorithm (for the trace recorder)."""
-        done: torch.futures.Future[None] = torch.futures.Future()
-
-        def finish(f: concurrent.futures.Future[None]) -> None:
-            error = f.exception()
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)  # type: ignore[arg-type]
-
-        self._future.add_done_callback(finish)
-        return done
 
 
 class AlgorithmGroups:
@@ -100,7 +69,7 @@ class AlgorithmGroups:
         self.intra: dist.ProcessGroup | None = None
         self.inter: dist.ProcessGroup | None = None
         self.ordered: Any = None
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.worker: SerialWorker | None = None
         wanted = set(needed)
         if "ordered" in wanted and "ordered" not in self.unavailable:
             self._build_ordered()
@@ -131,9 +100,7 @@ class AlgorithmGroups:
             if self.rank in ranks:
                 self.inter = group
         if self.pg_backend == "gloo":
-            self._worker = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="lamina-allreduce"
-            )
+            self.worker = SerialWorker("lamina-collectives")
 
     def available(self) -> tuple[str, ...]:
         """The algorithms that can run on this group."""
@@ -141,9 +108,9 @@ class AlgorithmGroups:
 
     def close(self) -> None:
         """Stop the worker thread (the groups go with the job)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     # -- running ---------------------------------------------------------------------------
     def all_reduce(self, algorithm: str, tensor: torch.Tensor, chunks: int = 1) -> Any:
@@ -172,13 +139,14 @@ class AlgorithmGroups:
                 warnings.simplefilter("ignore", FutureWarning)
                 return self._hierarchical(tensor, stages)
 
-        if self._worker is None:
+        if self.worker is None:
             return run()
 
         def run_and_wait() -> None:
             run().wait()
 
-        return ThreadWork(self._worker.submit(run_and_wait))
+        work: ThreadWork = self.worker.submit(run_and_wait)
+        return work
 
     def _hierarchical(self, tensor: torch.Tensor, chunks: int) -> AllWorks:
         """The three phases on ``chunks`` pieces, software-pipelined: at tick ``t`` the

@@ -151,6 +151,20 @@ class CostModel:
                 best = (seconds, chunks)
         return best
 
+    def sharded(self, algorithm: str, nbytes: float) -> float:
+        """A reduce-scatter (or all-gather: the same steps backwards) of an ``nbytes``
+        buffer: ``flat`` a ring in rank order, ``P-1`` steps of ``n/P``; ``hierarchical``
+        the intra-host phase (``L-1`` steps of ``n/L``), then the ``L`` cross-host groups
+        at once (``H-1`` steps of ``n/(LH)``, ``L`` flows per uplink)."""
+        if algorithm == "flat":
+            return self.ring_all_reduce(self.layout.rank_order(), nbytes) / 2
+        if algorithm != "hierarchical":
+            raise ConfigError(
+                f"unknown sharded algorithm {algorithm!r}; choose from {list(SHARDED_ALGORITHMS)}"
+            )
+        intra, inter, _ = self.phases(nbytes)
+        return intra + inter / 2
+
     def availability(self, algorithm: str) -> str:
         """'' when ``algorithm`` can run on this layout, else why not."""
         if algorithm not in ALGORITHMS:
@@ -260,6 +274,10 @@ class AlgorithmChoice:
 
 #: What ``algorithm=`` accepts.
 ALGORITHM_OPTIONS: tuple[str, ...] = ("auto", *ALGORITHMS)
+#: The algorithms of ZeRO-3's gathers and reduce-scatters (:meth:`CostModel.sharded`).
+SHARDED_ALGORITHMS: tuple[str, ...] = ("flat", "hierarchical")
+#: What the sharded strategies' ``algorithm=`` accepts.
+SHARDED_OPTIONS: tuple[str, ...] = ("auto", *SHARDED_ALGORITHMS)
 
 
 def choose_algorithm(
@@ -282,3 +300,24 @@ def choose_algorithm(
     return AlgorithmChoice(
         requested, model.predict(requested, nbytes).chunks, predictions, "", requested
     )
+
+
+def choose_sharded_algorithm(
+    model: CostModel, nbytes: int, requested: str, unavailable: dict[str, str]
+) -> AlgorithmChoice:
+    """The algorithm of a unit's gathers and reduce-scatter (``nbytes``: the unsharded
+    buffer), like :func:`choose_algorithm` among :data:`SHARDED_ALGORITHMS`."""
+    if requested not in SHARDED_OPTIONS:
+        raise ConfigError(f"algorithm={requested!r} is not one of {list(SHARDED_OPTIONS)}")
+    predictions = tuple(
+        (a, model.sharded(a, nbytes)) for a in SHARDED_ALGORITHMS if a not in unavailable
+    )
+    if requested == "auto":
+        best = predictions[0]
+        for candidate in predictions[1:]:
+            if candidate[1] < 0.98 * best[1]:
+                best = candidate
+        return AlgorithmChoice(best[0], 1, predictions)
+    if requested in unavailable:
+        return AlgorithmChoice("flat", 1, predictions, unavailable[requested], requested)
+    return AlgorithmChoice(requested, 1, predictions, "", requested)

@@ -8,7 +8,9 @@ the ``r``-th slice of ``batch_size`` of it. The state is the epoch and the globa
 on another number of ranks carries on from the same position and splits the rest of
 the epoch among its ranks: no sample is repeated or dropped. The last global batch of
 an epoch may be short; its indices are split as evenly as possible (a rank may get one
-fewer, or none), and the next call starts the next epoch.
+fewer, or none), and the next call starts the next epoch. With ``drop_last=True`` an
+epoch ends instead when less than a full global batch is left (those indices are
+skipped, as ``DistributedSampler(drop_last=True)`` skips them), so every batch is full.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ class EpochSampler:
     resume, whatever the new world size."""
 
     def __init__(
-        self, dataset_len: int, batch_size: int, rank: int, world_size: int, seed: int = 0
+        self,
+        dataset_len: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        drop_last: bool = False,
     ) -> None:
         for name, value, low in (
             ("dataset_len", dataset_len, 1),
@@ -38,7 +46,13 @@ class EpochSampler:
                 raise ConfigError(f"EpochSampler {name}={value!r}: give an int >= {low}")
         if rank >= world_size:
             raise ConfigError(f"EpochSampler rank={rank} is not below world_size={world_size}")
+        if drop_last and dataset_len < world_size * batch_size:
+            raise ConfigError(
+                f"EpochSampler drop_last=True: dataset_len={dataset_len} holds no full "
+                f"global batch of {world_size} x {batch_size}; lower batch_size or grow the data"
+            )
         self.dataset_len, self.batch_size = dataset_len, batch_size
+        self.drop_last = drop_last
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.epoch, self.position = 0, 0
         self._perm: torch.Tensor | None = None
@@ -52,7 +66,8 @@ class EpochSampler:
     def next_batch(self) -> list[int]:
         """This rank's indices of the next global batch (the job's position advances by
         the whole global batch on every rank alike)."""
-        if self.position >= self.dataset_len:
+        left = self.dataset_len - self.position
+        if left <= 0 or (self.drop_last and left < self.world_size * self.batch_size):
             self.epoch, self.position, self._perm = self.epoch + 1, 0, None
         perm = self._permutation()
         size = min(self.world_size * self.batch_size, self.dataset_len - self.position)

@@ -9,7 +9,9 @@ holds its sharded parameters again. How the unsharded buffer is filled depends o
 primitive: ``all_gather_into_tensor`` (on gloo, one broadcast per rank) gives the
 rank-major gathered buffer, copied out in one fused copy; the all-reduce form sums
 buffers that already have the unsharded layout (each rank's rows in place, zeros
-elsewhere), so nothing is copied out; with one rank the shard buffer itself (or its cast
+elsewhere), so nothing is copied out; a unit the plan gives the hierarchical algorithm
+gathers and reduce-scatters in two phases, inside then across hosts
+(:mod:`lamina.memory.hierarchy`); with one rank the shard buffer itself (or its cast
 to the compute dtype) is the unsharded buffer.
 Autograd keeps no reference to the buffer: a saved-tensor hook replaces every saved view
 by a token, and when backward needs it the unit is gathered again (prefetching the unit
@@ -45,6 +47,7 @@ from lamina.memory.gather import (
     gather_unsharded,
     reduce_scatter_start,
 )
+from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.layout import UnitLayout
 from lamina.works import AllWorks
 
@@ -93,6 +96,9 @@ class UnitState:
     #: their number: the shard gradient is averaged across them after the reduce-scatter.
     replicate_group: dist.ProcessGroup | None = None
     replicas: int = 1
+    #: The hosts' two-phase gather and reduce-scatter, when the plan chose the
+    #: hierarchical algorithm for this unit (None: ``primitive`` on ``group``).
+    hierarchy: HostHierarchy | None = None
     #: The unsharded buffer while the unit is gathered.
     full: torch.Tensor | None = None
     #: The gather in flight: (buffer, work, event, source, whether the buffer is laid
@@ -150,7 +156,10 @@ class UnitState:
                 _ready_for_comm(streams)  # the shards the optimizer wrote, on compute
                 work: dist.Work | AllWorks | None
                 with _on(streams), self.traced(phase) as handle:
-                    if in_place:
+                    if self.hierarchy is not None:
+                        in_place = False
+                        work = self.hierarchy.gather(source, buffer)
+                    elif in_place:
                         work = gather_unsharded(source, buffer, layout, self.rank, self.group)
                     else:
                         work = gather_full(
@@ -225,9 +234,12 @@ class UnitState:
         primitive = self.scatter_primitive or self.primitive
         _ready_for_comm(streams)
         with _on(streams), self.traced("scatter") as handle:
-            work, result = reduce_scatter_start(
-                scatter_in, self.rank, self.layout.world_size, primitive, self.group
-            )
+            if self.hierarchy is not None:
+                work, result = self.hierarchy.reduce_scatter_start(scatter_in)
+            else:
+                work, result = reduce_scatter_start(
+                    scatter_in, self.rank, self.layout.world_size, primitive, self.group
+                )
             if handle is not None:
                 handle.work = work
         self.scattering = (work, result, scatter_in)  # the input lives until waited for

@@ -15,6 +15,11 @@ from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
+from lamina.strategies.algorithm_nodes import (
+    algorithm_attrs,
+    algorithm_fallback,
+    records_algorithm,
+)
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -101,12 +106,12 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                     bucket=bucket.index,
                     params=len(names),
                     codec=wire.name if wire else "none",
-                    **_algorithm_attrs(choice),
+                    **algorithm_attrs(choice),
                 ),
             )
         )
-        if choice is not None and (choice.algorithm != "flat" or choice.fallback_reason):
-            fallbacks.append(_algorithm_fallback(node_id, choice))
+        if choice is not None and records_algorithm(choice):
+            fallbacks.append(algorithm_fallback(node_id, choice))
         if applies and codec is not None:
             fallbacks.append(
                 Fallback(
@@ -129,25 +134,6 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                     )
                 )
     return nodes, fallbacks
-
-
-def _algorithm_attrs(choice: AlgorithmChoice | None) -> dict[str, object]:
-    if choice is None:
-        return {}
-    predicted = " ".join(f"{name}={seconds * 1e3:.3f}ms" for name, seconds in choice.predictions)
-    return {"algorithm": choice.algorithm, "chunks": choice.chunks, "predicted": predicted}
-
-
-def _algorithm_fallback(node_id: str, choice: AlgorithmChoice) -> Fallback:
-    primary = choice.requested if choice.fallback_reason else choice.algorithm
-    return Fallback(
-        node_id,
-        f"algorithm:{primary}",
-        "algorithm:flat",
-        "the algorithm's process groups cannot be formed on this job",
-        taken=bool(choice.fallback_reason),
-        reason=choice.fallback_reason,
-    )
 
 
 def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:

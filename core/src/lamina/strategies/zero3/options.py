@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.comm.cost import SHARDED_OPTIONS
 from lamina.errors import ConfigError
 from lamina.runtime.primitives import PRIMITIVE_MODES, REPLACEABLE
 from lamina.strategies.contract import StrategyOptions
@@ -26,7 +27,11 @@ class Zero3Options(StrategyOptions):
     all-reduce forms) or ``"auto"`` (native, except on gloo: one broadcast per rank and
     an all_to_all, faster there; all-reduce forms beyond 8 ranks);
     ``disable_collectives`` (or ``$LAMINA_DISABLE_COLLECTIVES``) forces the all-reduce
-    form for the ops named.
+    form for the ops named. ``algorithm`` is how each unit's gathers and reduce-scatter
+    cross the hosts: ``"flat"`` (the primitives above on the shard group),
+    ``"hierarchical"`` (inside each host, then across hosts: only ``1/L`` of the buffer
+    leaves a host of ``L`` ranks) or ``"auto"`` (the cost model's pick per unit, from
+    the topology's links; flat on one host).
     """
 
     alignment_bytes: int = 512
@@ -35,6 +40,7 @@ class Zero3Options(StrategyOptions):
     reshard_after_forward: bool = True
     collectives: str = "auto"
     disable_collectives: tuple[str, ...] = ()
+    algorithm: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("alignment_bytes", "min_unit_numel"):
@@ -58,3 +64,5 @@ class Zero3Options(StrategyOptions):
                 f"disable_collectives={self.disable_collectives!r}: give a tuple of "
                 f"{list(REPLACEABLE)}"
             )
+        if self.algorithm not in SHARDED_OPTIONS:
+            raise ConfigError(f"algorithm={self.algorithm!r} is not one of {list(SHARDED_OPTIONS)}")

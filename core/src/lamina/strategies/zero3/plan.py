@@ -7,14 +7,20 @@ the replicas; the wrap-time broadcast spans the whole job.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lamina.comm.cost import AlgorithmChoice
 from lamina.dtypes import dtype_from_name
 from lamina.memory.layout import ShardLayout, UnitLayout
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
 from lamina.runtime.primitives import PrimitiveChoice
+from lamina.strategies.algorithm_nodes import (
+    algorithm_attrs,
+    algorithm_fallback,
+    records_algorithm,
+)
 
 OPTIMIZER = "optimizer"
 
@@ -70,6 +76,14 @@ class Zero3PlanInputs:
     #: after forward: backward needs them first, or (whole-forward units) needs them
     #: until its end anyway, so freeing them would only add a gather.
     kept_for_backward: frozenset[str] = frozenset()
+    #: Unit name -> the algorithm of its gathers and reduce-scatter (absent: flat), and
+    #: the cost model that chose them.
+    algorithms: Mapping[str, AlgorithmChoice] | None = None
+    cost_model: str = ""
+
+    def algorithm_of(self, unit: str) -> AlgorithmChoice | None:
+        """The algorithm choice of ``unit`` (None: flat, nothing chosen)."""
+        return (self.algorithms or {}).get(unit)
 
     def reshards(self, unit: str) -> bool:
         """Whether ``unit`` is freed after its forward and gathered again for backward."""
@@ -154,7 +168,11 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                 "backward",
                 f"mean gradient of {unit.name} into the shards",
                 _scatter_spec(inputs, unit),
-                attrs(unit=unit.name, primitive=inputs.scatter.op),
+                attrs(
+                    unit=unit.name,
+                    primitive=inputs.scatter.op,
+                    **algorithm_attrs(inputs.algorithm_of(unit.name)),
+                ),
             )
         )
         edges.append((compute, scatter))
@@ -183,6 +201,11 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             fallbacks.append(_fallback(node.id, inputs.gather))
         elif node.id.endswith(".reduce_scatter"):
             fallbacks.append(_fallback(node.id, inputs.scatter))
+        else:
+            continue
+        choice = inputs.algorithm_of(str(node.attr("unit")))
+        if choice is not None and records_algorithm(choice):
+            fallbacks.append(algorithm_fallback(node.id, choice))
     return ExecutionPlan(
         strategy=inputs.strategy,
         world_size=world,
@@ -199,6 +222,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             units=len(order),
             shard_axis=groups.shard_axis,
             replicate_axis=groups.replicate_axis or "none",
+            **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),
         ),
     )
 
@@ -212,7 +236,11 @@ def _gather(
         phase,
         label,
         _gather_spec(inputs, unit),
-        attrs(unit=unit.name, primitive=inputs.gather.op),
+        attrs(
+            unit=unit.name,
+            primitive=inputs.gather.op,
+            **algorithm_attrs(inputs.algorithm_of(unit.name)),
+        ),
     )
 
 

@@ -23,11 +23,19 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from lamina.comm.algorithms import AlgorithmGroups
+from lamina.comm.cost import (
+    AlgorithmChoice,
+    CostModel,
+    choose_sharded_algorithm,
+    unavailable_algorithms,
+)
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
 from lamina.memory.engine import UnitState, Zero3Engine, comm_streams
 from lamina.memory.gather import Primitive
+from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
@@ -68,6 +76,9 @@ class Sharding:
         self.group = group
         self.param_dtype = param_dtype
         self.engine: Zero3Engine | None = None
+        #: The process groups of the hierarchical gathers and reduce-scatters (None:
+        #: every unit is flat).
+        self.algorithm_groups: AlgorithmGroups | None = None
         #: Units gathered for the whole forward: the root unit, and merged units that do
         #: not correspond to one submodule.
         self.whole_forward: list[UnitState] = []
@@ -215,7 +226,12 @@ def shard_module(
         everyone=tuple(range(runtime.world_size)),
         everyone_axis=mesh.axes_label(mesh.axis_names),
     )
-    plan = _build_plan(module, layout, runtime, group, groups, options, strategy)
+    cost_model = CostModel.from_topology(runtime.topology, shard_ranks) if world > 1 else None
+    choices = _choose_algorithms(layout, cost_model, group, shard_ranks, options)
+    described = cost_model.describe() if cost_model is not None and choices else ""
+    plan = _build_plan(
+        module, layout, runtime, group, groups, options, strategy, choices, described
+    )
     planned = PlannedStep(plan, (("shards", plan_z3.shard_lines(layout)),))
     preflight = before_first_collective(runtime, planned, module, verify=options.verify)
     run_log = RunLog(plan)
@@ -225,6 +241,16 @@ def shard_module(
     )
     dtensor_mesh, placements = _dtensor_mesh(runtime, placement)
     places = _places(module)
+    hierarchical = _hierarchical_units(plan)
+    if hierarchical and cost_model is not None:  # after pre-flight: every rank agrees
+        sharding.algorithm_groups = AlgorithmGroups(
+            cost_model.layout,
+            dist.get_rank(),
+            flat=group,
+            pg_backend=str(dist.get_backend(group)),
+            needed=("hierarchical",),
+        )
+    hierarchy = _host_hierarchy(sharding.algorithm_groups)
     gather_op = _gather_primitive(plan)
     scatter_op = _scatter_primitive(plan)
 
@@ -271,6 +297,7 @@ def shard_module(
                 observer=run_log,
                 replicate_group=replicate_group,
                 replicas=max(1, len(replicas)),
+                hierarchy=hierarchy if unit.name in hierarchical else None,
                 keep_for_backward=options.reshard_after_forward
                 and plan_z3.gather_node(unit.name, "bwd") not in planned_ids,
                 frozen=frozen,
@@ -342,6 +369,55 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _choose_algorithms(
+    layout: ShardLayout,
+    model: CostModel | None,
+    group: dist.ProcessGroup | None,
+    shard_ranks: tuple[int, ...],
+    options: Zero3Options,
+) -> dict[str, AlgorithmChoice]:
+    """Each unit's gather / reduce-scatter algorithm, from the cost model of the shard
+    group's links (none with one rank). The hierarchical form needs the shard group to
+    be the whole job in rank order (slot ``r`` is rank ``r``'s shard)."""
+    if model is None:
+        return {}
+    whole_job = shard_ranks == tuple(range(dist.get_world_size()))
+    unavailable = unavailable_algorithms(model.layout, str(dist.get_backend(group)), whole_job)
+    return {
+        unit.name: choose_sharded_algorithm(
+            model, unit.total_numel * unit.element_size, options.algorithm, unavailable
+        )
+        for unit in layout.units
+    }
+
+
+def _hierarchical_units(plan: ExecutionPlan) -> frozenset[str]:
+    """The units whose gathers and reduce-scatter the plan runs hierarchically."""
+    return frozenset(
+        n.attr("unit")
+        for n in plan.nodes
+        if n.id.endswith(".reduce_scatter") and n.attr("algorithm") == "hierarchical"
+    )
+
+
+def _host_hierarchy(groups: AlgorithmGroups | None) -> HostHierarchy | None:
+    """The two-phase collectives over ``groups``' host and cross-host groups."""
+    if groups is None:
+        return None
+    layout, rank = groups.layout, groups.rank
+    intra = next(tuple(sorted(h)) for h in layout.local_groups() if rank in h)
+    inter = next(tuple(sorted(c)) for c in layout.cross_groups() if rank in c)
+    return HostHierarchy(
+        intra_ranks=intra,
+        intra=groups.intra,
+        inter_ranks=inter,
+        inter=groups.inter,
+        order=HostHierarchy.slot_order(layout.hosts),
+        native=groups.pg_backend != "gloo",
+        worker=groups.worker,
+    )
+
+
 def _build_plan(
     module: nn.Module,
     layout: ShardLayout,
@@ -350,6 +426,8 @@ def _build_plan(
     groups: plan_z3.PlanGroups,
     options: Zero3Options,
     strategy: str,
+    algorithms: dict[str, AlgorithmChoice],
+    cost_model: str,
 ) -> ExecutionPlan:
     pg_backend = str(dist.get_backend(group))
     unsupported = runtime.backend.unsupported_collectives
@@ -386,6 +464,8 @@ def _build_plan(
             reshard_after_forward=options.reshard_after_forward,
             strategy=strategy,
             kept_for_backward=kept,
+            algorithms=algorithms,
+            cost_model=cost_model,
         )
     )
 
