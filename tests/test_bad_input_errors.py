@@ -109,6 +109,7 @@ def test_a_placement_naming_an_axis_twice_is_refused() -> None:
         ({"param_dtype": torch.int8}, "param_dtype must be a floating torch dtype"),
         ({"disable_collectives": "all_gather"}, "disable_collectives='all_gather': give a tuple"),
         ({"min_unit_numel": -1}, "min_unit_numel must be an int >= 0"),
+        ({"algorithm": "pipelined"}, "algorithm='pipelined' is not one of"),
     ],
 )
 def test_zero3_options_are_checked_before_anything_runs(
@@ -149,7 +150,7 @@ def test_data_parallel_without_init_says_to_call_init() -> None:
 
 @pytest.mark.parametrize(
     ("options", "shown"),
-    [({"bucket_cap_mb": 0}, "got 0 and 1.0"), ({"first_bucket_mb": -2.0}, "got None and -2.0")],
+    [({"bucket_cap_mb": 0}, "got 0 and None"), ({"first_bucket_mb": -2.0}, "got None and -2.0")],
 )
 def test_bucket_sizes_must_be_positive(options: dict[str, Any], shown: str) -> None:
     lamina.init()

@@ -17,6 +17,7 @@ from lamina.comm.buckets import (
     auto_bucket_cap,
     latency_floor_bytes,
     plan_buckets,
+    ring_all_reduce_cost,
 )
 from lamina.errors import ConfigError
 
@@ -150,9 +151,15 @@ def test_small_mlp_biases_ride_with_their_weights_in_few_buckets() -> None:
     names = [b.param_names for b in plan.buckets]
     assert len(plan.buckets) <= 3, names
     assert all(any(n.endswith(".weight") for n in b) for b in names), names  # no lone bias
-    # the first bucket starts communication after the last layer, as DDP's 1 MiB one
-    assert names[0] == ("6.bias", "6.weight")
-    assert names == [("6.bias", "6.weight"), tuple(order[2:])]
+    # the first bucket (1 MiB as DDP's) takes the floor too: two halves, not 1 + 3 MiB
+    assert names == [tuple(order[:4]), tuple(order[4:])]
+    # on 4 ranks a ring pays three times the latency: one bucket
+    alpha, beta = ring_all_reduce_cost(4)
+    four = _auto_plan(specs, order, alpha_s=alpha, beta_s_per_byte=beta)
+    assert [b.param_names for b in four.buckets] == [tuple(order)]
+    # a first bucket the user sizes keeps its meaning: DDP's 1 MiB split
+    ddp_like = plan_buckets(specs, order, cap_bytes=plan.cap_bytes, first_bucket_bytes=MIB)
+    assert ddp_like.buckets[0].param_names == ("6.bias", "6.weight")
     # the old rule (no latency term) paid eight latencies, four for a lone 2 KiB bias
     bare = _auto_plan(specs, order, alpha_s=0.0)
     assert len(bare.buckets) == 8 and bare.buckets[0].param_names == ("6.bias",)
@@ -184,12 +191,19 @@ def test_latency_and_bandwidth_move_the_boundaries() -> None:
     measured = _auto_plan(specs, order)
     slow_start = _auto_plan(specs, order, alpha_s=10 * GLOO_ALPHA_S)  # e.g. more ranks
     assert len(slow_start.buckets) < len(measured.buckets) == 4
-    assert len(slow_start.buckets) == 2  # the first layer, then the rest at once
+    assert len(slow_start.buckets) == 1  # all of it at once
     small, small_order = _mlp_specs(512)  # 4 MiB: two buckets with gloo's figures
     thin_pipe = _auto_plan(small, small_order, beta_s_per_byte=10 * GLOO_BETA_S_PER_BYTE)
     assert len(_auto_plan(small, small_order).buckets) == 2 < len(thin_pipe.buckets) == 4
     # a bandwidth-bound network splits at every layer: each bucket one weight and its bias
     assert all(len(b.param_names) == 2 for b in thin_pipe.buckets)
+
+
+def test_a_ring_scales_latency_with_its_steps_and_bytes_with_its_share() -> None:
+    assert ring_all_reduce_cost(2) == (GLOO_ALPHA_S, GLOO_BETA_S_PER_BYTE)  # measured there
+    alpha, beta = ring_all_reduce_cost(8)
+    assert alpha == pytest.approx(7 * GLOO_ALPHA_S)  # 14 steps against 2
+    assert beta == pytest.approx(1.75 * GLOO_BETA_S_PER_BYTE)  # 2 (P-1) / P of the buffer
 
 
 def test_explicit_small_caps_still_split() -> None:

@@ -15,6 +15,7 @@ from lamina.comm.cost import (
     CostModel,
     LinkCost,
     choose_algorithm,
+    choose_sharded_algorithm,
     unavailable_algorithms,
 )
 from lamina.comm.layout import HostLayout, best_ring, ring_bottleneck_gbps
@@ -125,6 +126,22 @@ def test_auto_choice_is_deterministic_and_prefers_the_simpler_on_ties() -> None:
     assert equal.choose(4096).algorithm == "hierarchical"
     with pytest.raises(ConfigError, match="algorithm='ring'"):
         choose_algorithm(model, MIB, "ring", {})
+
+
+def test_sharded_collectives_go_hierarchical_across_a_slow_link_only() -> None:
+    slow = CostModel.from_topology(cluster(2, 2, 0.025))
+    flat, hier = slow.sharded("flat", 8 * MIB), slow.sharded("hierarchical", 8 * MIB)
+    assert flat == pytest.approx(slow.predict("flat", 8 * MIB).seconds / 2)
+    assert hier < flat / 2  # 1/L of the buffer crosses, once per uplink
+    choice = choose_sharded_algorithm(slow, 8 * MIB, "auto", {})
+    assert choice.algorithm == "hierarchical" and dict(choice.predictions)["flat"] == flat
+    one_host = CostModel.from_topology(cluster(1, 4, 0.025))
+    why = unavailable_algorithms(one_host.layout, "gloo", whole_job=True)
+    assert choose_sharded_algorithm(one_host, 8 * MIB, "auto", why).algorithm == "flat"
+    forced = choose_sharded_algorithm(one_host, 8 * MIB, "hierarchical", why)
+    assert forced.algorithm == "flat" and "one host" in forced.fallback_reason
+    with pytest.raises(ConfigError, match="algorithm='ordered' is not one of"):
+        choose_sharded_algorithm(slow, MIB, "ordered", {})
 
 
 def test_ring_bottleneck_counts_the_edges_sharing_an_uplink() -> None:

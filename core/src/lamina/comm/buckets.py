@@ -17,8 +17,8 @@ buckets cost eight alphas and move almost nothing. The rule:
    ``floor = (1 / LATENCY_FRACTION - 1) * alpha / beta``: at ``n = floor`` the latency
    is ``LATENCY_FRACTION`` (1/4) of the bucket's time, ``alpha / (alpha + n beta)``, so no
    closed bucket spends more than a quarter of its time on latency. The floor never
-   exceeds half the bucket's cap (an explicit small cap still splits: every bucket but
-   the last then holds at least half its cap). Small tensors (biases, norms) therefore
+   exceeds half the cap (an explicit small cap still splits: every bucket but the last
+   then holds at least half of it). Small tensors (biases, norms) therefore
    always ride with a neighbour; only the last bucket may be smaller than the floor.
 2. **Cap.** A bucket at or above its floor closes before the parameter that would take
    it past its cap; a parameter larger than the cap gets a bucket of its own (split
@@ -29,11 +29,16 @@ buckets cost eight alphas and move almost nothing. The rule:
    act, so a small model gets a handful of buckets (the 4 x Linear(512, 512) MLP, 4 MiB
    of fp32 gradients: 2, as torch DDP), a large one many (a 1 GiB model: about 40).
 3. **First bucket.** Its cap is ``min(first_bucket_bytes, cap)`` (1 MiB by default, as in
-   DDP), and so its floor is at most half of that: communication starts as soon as the
-   last layer's gradients (weight and bias together) are ready, whatever the latency.
+   DDP), so communication starts as soon as the last layers' gradients are ready; with
+   the default it first takes the floor like every bucket (at most half the general
+   cap), since a first all-reduce that is mostly latency costs more than its overlap
+   with backward saves: the 4 x Linear(512, 512) MLP gets two 2 MiB buckets on 2 gloo
+   ranks and one on 4, measured faster than DDP's 1 + 3 MiB. A given
+   ``first_bucket_bytes`` keeps its meaning: its floor is at most half of it.
 
 The default ``alpha`` / ``beta`` are measured for gloo all-reduce between 2 ranks on one
-host (see :data:`GLOO_ALPHA_S`); a caller with a cost model of its real group passes its
+host (see :data:`GLOO_ALPHA_S`) and scaled to the group's size as a ring scales them
+(:func:`ring_all_reduce_cost`); a caller with a cost model of its real group passes its
 own, and a slower-to-start group (more ranks, a network hop) gets larger buckets.
 """
 
@@ -165,6 +170,8 @@ class BucketPlan:
 #: small. The latency floor (below) raises the cap of small models above total / 8.
 AUTO_TARGET_BUCKETS = 8
 AUTO_MIN_CAP = 1 * MIB
+#: The first bucket's cap unless one is given (DDP's).
+DEFAULT_FIRST_BUCKET = 1 * MIB
 AUTO_MAX_CAP = 25 * MIB
 
 #: Per-collective latency of gloo all-reduce, 2 ranks on one host (loopback TCP), fp32.
@@ -181,6 +188,19 @@ GLOO_ALPHA_S = 4.0e-4
 GLOO_BETA_S_PER_BYTE = 6.5e-10
 #: The largest share of a (non-last) bucket's collective time the latency may take.
 LATENCY_FRACTION = 0.25
+
+
+def ring_all_reduce_cost(
+    ranks: int,
+    alpha_s: float = GLOO_ALPHA_S,
+    beta_s_per_byte: float = GLOO_BETA_S_PER_BYTE,
+) -> tuple[float, float]:
+    """(alpha, beta) of a ring all-reduce over ``ranks`` from figures measured on 2
+    ranks: the ring takes ``2(P-1)`` steps, each paying one hop's latency (2 steps at
+    P=2), and pushes ``2(P-1)/P`` of the buffer through each rank's link (1 at P=2)."""
+    if ranks < 2:
+        return alpha_s, beta_s_per_byte
+    return alpha_s * (ranks - 1), beta_s_per_byte * 2 * (ranks - 1) / ranks
 
 
 def latency_floor_bytes(
@@ -218,7 +238,7 @@ def plan_buckets(
     ready_order: Sequence[str],
     *,
     cap_bytes: int = 25 * MIB,
-    first_bucket_bytes: int = 1 * MIB,
+    first_bucket_bytes: int | None = None,
     alignment_bytes: int = 512,
     unused: Sequence[str] = (),
     strict: bool = False,
@@ -233,10 +253,16 @@ def plan_buckets(
     A dtype change closes the current bucket; so does reaching the cap (the first
     bucket's cap is ``min(first_bucket_bytes, cap_bytes)``), once the bucket holds its
     floor: ``min_bucket_bytes`` (default: the latency floor of a collective costing
-    ``alpha_s + n * beta_s_per_byte``, see the module docstring), at most half its cap.
-    A bucket under its floor takes the next parameter even past the cap; a parameter
-    larger than the cap gets a bucket of its own.
+    ``alpha_s + n * beta_s_per_byte``, see the module docstring), at most half the cap.
+    ``first_bucket_bytes=None`` is DDP's 1 MiB, whose bucket takes the floor too; a
+    given ``first_bucket_bytes`` keeps its meaning (the first bucket's floor is at most
+    half of it). A bucket under its floor takes the next parameter even past the cap; a
+    parameter larger than the cap gets a bucket of its own.
     """
+    if first_bucket_bytes is None:
+        first_bucket_bytes, first_floor_cap = DEFAULT_FIRST_BUCKET, cap_bytes
+    else:
+        first_floor_cap = first_bucket_bytes
     if cap_bytes <= 0 or first_bucket_bytes <= 0:
         raise ConfigError(
             f"bucket caps must be > 0 bytes, got cap={cap_bytes}, first={first_bucket_bytes}"
@@ -262,7 +288,9 @@ def plan_buckets(
     skip = set(unused)
     order = [n for n in dict.fromkeys(ready_order) if n not in skip]
     order += [p.name for p in params if p.name not in skip and p.name not in set(order)]
-    builder = _BucketBuilder(cap_bytes, first_bucket_bytes, alignment_bytes, min_bucket_bytes)
+    builder = _BucketBuilder(
+        cap_bytes, first_bucket_bytes, alignment_bytes, min_bucket_bytes, first_floor_cap
+    )
     for name in order:
         builder.add(by_name[name])
     notes = []
@@ -279,9 +307,13 @@ def plan_buckets(
 
 
 class _BucketBuilder:
-    def __init__(self, cap: int, first_cap: int, alignment: int, floor: int) -> None:
+    def __init__(
+        self, cap: int, first_cap: int, alignment: int, floor: int, first_floor_cap: int
+    ) -> None:
         self.cap, self.first_cap, self.alignment = cap, min(first_cap, cap), alignment
-        self.floor = floor
+        # an explicit small cap still splits: the floor is at most half of it
+        self.floor = min(floor, cap // 2)
+        self.first_floor = min(floor, min(first_floor_cap, cap) // 2)
         self.buckets: list[Bucket] = []
         self.slots: list[BucketSlot] = []
         self.dtype: torch.dtype | None = None
@@ -296,7 +328,7 @@ class _BucketBuilder:
         start = _aligned(self.offset, align)
         limit = self._limit()
         held = self.offset * size  # bytes the open bucket holds so far
-        floor = min(self.floor, limit // 2)
+        floor = self.first_floor if not self.buckets else self.floor
         full = self.slots and held >= floor and (start + param.numel) * size > limit
         if self.slots and (param.dtype != self.dtype or full):
             self._close()

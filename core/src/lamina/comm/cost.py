@@ -1,4 +1,4 @@
-"""An alpha-beta cost model of the all-reduce algorithms, per link class.
+"""An alpha-beta cost model of the collective algorithms, per link class.
 
 A message of ``n`` bytes over one link costs ``alpha + n * beta``: ``alpha`` the
 per-message latency, ``beta`` the seconds per byte of the link (one direction). There
@@ -23,6 +23,10 @@ ranks on ``H`` hosts with ``L`` ranks each:
   overlapping the inter phase of another: one chunk's three phases, then ``k-1`` times
   the slower of (inter phase, intra phases) per chunk; ``k`` is the best of
   :data:`PIPELINE_CHUNKS`.
+
+ZeRO-3's gathers and reduce-scatters have two algorithms (:meth:`CostModel.sharded`,
+run by :mod:`lamina.memory.hierarchy`): ``flat`` (half a ring all-reduce in rank order)
+and ``hierarchical`` (the intra-host phase, then half the cross-host phase).
 
 The model's link figures come from the topology (``lamina topo probe`` measures them)
 or from :func:`lamina.comm.calibrate.calibrate` (phases timed on the job itself). Every

@@ -87,13 +87,14 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
 
 
 def _algorithm_lines(plan: ExecutionPlan) -> list[str]:
-    """The all-reduce algorithm of each collective that has one: the cost model's
-    predicted time of every algorithm that can run, and the choice."""
+    """The algorithm of each collective that has one (DP buckets' all-reduces, ZeRO-3's
+    gathers and reduce-scatters): the cost model's predicted time of every algorithm
+    that can run, and the choice."""
     chosen = [n for n in plan.collectives() if n.attr("algorithm")]
     if not chosen:
         return []
     model = dict(plan.meta).get("cost_model", "")
-    lines = ["", "all-reduce algorithms (cost model" + (f": {model})" if model else ")")]
+    lines = ["", "collective algorithms (cost model" + (f": {model})" if model else ")")]
     rows: list[tuple[str, ...]] = [("node", "bytes", "chosen", "predicted per algorithm")]
     for node in chosen:
         assert node.collective is not None

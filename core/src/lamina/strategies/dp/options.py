@@ -21,9 +21,11 @@ class DataParallelOptions(StrategyOptions):
     first forward). ``bucket_cap_mb=None`` sizes buckets automatically from an alpha-beta
     cost of the group's all-reduce (:mod:`lamina.comm.buckets`: latency-bound tensors
     ride with a neighbour, the rest in about 8 buckets so that communication overlaps
-    backward); a number fixes the cap. ``codec`` (``"bf16"``, ``"fp16"`` or a
-    :class:`~lamina.comm.codecs.Codec`) compresses fp32 buckets on the wire; ``compile``
-    (``True`` or a ``torch.compile`` backend name) runs the forward compiled;
+    backward); a number fixes the cap. ``first_bucket_mb=None`` is DDP's 1 MiB first
+    bucket, which still takes the latency floor; a number fixes it. ``codec``
+    (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`) compresses fp32
+    buckets on the wire; ``compile`` (``True`` or a ``torch.compile`` backend name) runs
+    the forward compiled;
     ``capture_methods`` limits the graph capture paths; ``strict`` refuses parameters the
     captured forward does not use. ``algorithm`` is the all-reduce algorithm of every
     bucket (``"auto"``: the cost model's pick per bucket from the topology, see
@@ -34,7 +36,7 @@ class DataParallelOptions(StrategyOptions):
     example_inputs: tuple[Any, ...] | None = None
     example_kwargs: dict[str, Any] | None = None
     bucket_cap_mb: float | None = None
-    first_bucket_mb: float = 1.0
+    first_bucket_mb: float | None = None
     alignment_bytes: int = 512
     broadcast_buffers: bool = True
     strict: bool = False
@@ -45,7 +47,7 @@ class DataParallelOptions(StrategyOptions):
 
     def __post_init__(self) -> None:
         cap, first = self.bucket_cap_mb, self.first_bucket_mb
-        if (cap is not None and not cap > 0) or not first > 0:
+        if (cap is not None and not cap > 0) or (first is not None and not first > 0):
             raise ConfigError(
                 f"bucket_cap_mb and first_bucket_mb must be > 0, got {cap} and {first}"
             )

@@ -20,13 +20,12 @@ from torch import nn
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import (
-    GLOO_ALPHA_S,
-    GLOO_BETA_S_PER_BYTE,
     MIB,
     BucketPlan,
     ParamSpec,
     auto_bucket_cap,
     plan_buckets,
+    ring_all_reduce_cost,
 )
 from lamina.comm.codecs import Codec, get_codec, self_check
 from lamina.comm.cost import (
@@ -87,7 +86,8 @@ class DataParallel(nn.Module):
         self.broadcast_buffers = options.broadcast_buffers
         cap = options.bucket_cap_mb
         self._cap_bytes = None if cap is None else int(cap * MIB)
-        self._first_bytes = int(options.first_bucket_mb * MIB)
+        first = options.first_bucket_mb
+        self._first_bytes = None if first is None else int(first * MIB)
         self._codec = get_codec(options.codec)
         self._compile_backend = compile_backend_of(options.compile)
         self._source = self._ranks[0]
@@ -196,10 +196,10 @@ class DataParallel(nn.Module):
     def _bucket_latency(self, model: CostModel | None) -> tuple[float, float]:
         """alpha and beta of the group's all-reduce for the bucket planner, from the cost
         model of measured links (its best algorithm at 1 byte and at 64 MiB); without
-        measured links (or one rank), the planner's defaults (measured for gloo on one
-        host)."""
+        measured links (or one rank), the planner's defaults (measured for gloo on 2
+        ranks of one host) scaled to the group's size as a ring scales them."""
         if model is None or model.source == "topology":  # estimates, not measurements
-            return GLOO_ALPHA_S, GLOO_BETA_S_PER_BYTE
+            return ring_all_reduce_cost(len(self._ranks))
         unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
         runnable = [a for a in ALGORITHMS if a not in unavailable]
         large = 64 * MIB
