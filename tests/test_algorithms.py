@@ -63,14 +63,8 @@ def _compare_all() -> dict[str, Any]:
 
 def _hierarchy(layout: HostLayout, rank: int) -> tuple[AlgorithmGroups, HostHierarchy]:
     groups = AlgorithmGroups(layout, rank, pg_backend="gloo", needed=("hierarchical",))
-    return groups, HostHierarchy(
-        intra_ranks=next(h for h in layout.local_groups() if rank in h),
-        intra=groups.intra,
-        inter_ranks=next(tuple(sorted(c)) for c in layout.cross_groups() if rank in c),
-        inter=groups.inter,
-        order=HostHierarchy.slot_order(layout.hosts),
-        native=False,
-        worker=groups.worker,
+    return groups, HostHierarchy.for_rank(
+        layout.hosts, rank, groups.intra, groups.inter, native=False, worker=groups.worker
     )
 
 

@@ -26,9 +26,9 @@ ALGORITHMS = ("auto", "ordered", "hierarchical", "pipelined")
 BUCKETS: dict[str, Any] = {"bucket_cap_mb": 0.02, "first_bucket_mb": 0.004}
 
 
-def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
-    initial = build("gpt", seed=rank)
-    ours = lamina.distribute(copy.deepcopy(initial), "dp", algorithm=algorithm, **BUCKETS)
+def _train_beside_ddp(ours: torch.nn.Module, initial: torch.nn.Module, rank: int) -> DDP:
+    """``STEPS`` AdamW steps of ``ours`` and of torch DDP (from ``initial``) on the same
+    batches; returns the DDP model."""
     ddp = DDP(copy.deepcopy(initial))
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -38,6 +38,13 @@ def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
             loss_of("gpt", model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    return ddp
+
+
+def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
+    initial = build("gpt", seed=rank)
+    ours = lamina.distribute(copy.deepcopy(initial), "dp", algorithm=algorithm, **BUCKETS)
+    ddp = _train_beside_ddp(ours, initial, rank)
     diff = max(
         (a - b).abs().max().item()
         for a, b in zip(ours.module.parameters(), ddp.module.parameters(), strict=True)
@@ -58,15 +65,7 @@ def _zero3_against_ddp(rank: int) -> dict[str, Any]:
     """ZeRO-3 with ``algorithm="auto"`` (small units: the GPT's blocks are units)."""
     initial = build("gpt", seed=rank)
     ours = lamina.distribute(copy.deepcopy(initial), "zero3", min_unit_numel=0)
-    ddp = DDP(copy.deepcopy(initial))
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-3)
-    opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    for step in range(STEPS):
-        x, y = batch("gpt", step, rank)
-        for model, opt in ((ours, opt_ours), (ddp, opt_ddp)):
-            loss_of("gpt", model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    ddp = _train_beside_ddp(ours, initial, rank)
     full = {k: v.full_tensor() for k, v in ours.state_dict().items()}
     diff = max((full[k] - v).abs().max().item() for k, v in ddp.module.state_dict().items())
     plan = ours.execution_plan

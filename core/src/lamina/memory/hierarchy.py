@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lamina.works import AllWorks, SerialWorker
+from lamina.memory.gather import Primitive, gather_full
+from lamina.works import SerialWorker
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,32 @@ class HostHierarchy:
     #: The thread the gloo phases run on (None: issue them from the caller).
     worker: SerialWorker | None = None
     _order_index: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def for_rank(
+        cls,
+        hosts: Sequence[Sequence[int]],
+        rank: int,
+        intra: dist.ProcessGroup | None,
+        inter: dist.ProcessGroup | None,
+        *,
+        native: bool,
+        worker: SerialWorker | None = None,
+    ) -> HostHierarchy:
+        """Rank ``rank``'s view of ``hosts`` (each host's ranks; equal counts), given
+        its host's group ``intra`` and its cross-host group ``inter``."""
+        members = [sorted(h) for h in hosts]
+        mine = next(h for h in members if rank in h)
+        local = mine.index(rank)
+        return cls(
+            intra_ranks=tuple(mine),
+            intra=intra,
+            inter_ranks=tuple(sorted(h[local] for h in members)),
+            inter=inter,
+            order=cls.slot_order(hosts),
+            native=native,
+            worker=worker,
+        )
 
     @classmethod
     def slot_order(cls, hosts: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -133,16 +160,9 @@ class HostHierarchy:
         group: dist.ProcessGroup | None,
         members: tuple[int, ...],
     ) -> Any:
-        if self.native:
-            return dist.all_gather_into_tensor(full, part, group=group, async_op=True)
-        slots = full.view(len(members), part.numel())
-        slots[members.index(dist.get_rank())].copy_(part)
-        return AllWorks(
-            [
-                dist.broadcast(slot, members[k], group=group, async_op=True)
-                for k, slot in enumerate(slots)
-            ]
-        )
+        position = members.index(dist.get_rank())  # group ranks follow ascending ranks
+        form: Primitive = "native" if self.native else "broadcast"
+        return gather_full(part, full, position, form, group, async_op=True)
 
     def _reduce_scatter(
         self, buffer: torch.Tensor, group: dist.ProcessGroup | None, members: int

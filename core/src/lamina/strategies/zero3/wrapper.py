@@ -404,15 +404,11 @@ def _host_hierarchy(groups: AlgorithmGroups | None) -> HostHierarchy | None:
     """The two-phase collectives over ``groups``' host and cross-host groups."""
     if groups is None:
         return None
-    layout, rank = groups.layout, groups.rank
-    intra = next(tuple(sorted(h)) for h in layout.local_groups() if rank in h)
-    inter = next(tuple(sorted(c)) for c in layout.cross_groups() if rank in c)
-    return HostHierarchy(
-        intra_ranks=intra,
-        intra=groups.intra,
-        inter_ranks=inter,
-        inter=groups.inter,
-        order=HostHierarchy.slot_order(layout.hosts),
+    return HostHierarchy.for_rank(
+        groups.layout.hosts,
+        groups.rank,
+        groups.intra,
+        groups.inter,
         native=groups.pg_backend != "gloo",
         worker=groups.worker,
     )
