@@ -228,8 +228,8 @@ def test_unknown_kernel_lists_known_names() -> None:
     with pytest.raises(KernelError) as info:
         launcher.launch("no_such_kernel", torch.ones(1))
     assert str(info.value) == (
-        "unknown kernel 'no_such_kernel'; known kernels: pack_bucket, scale_accumulate, "
-        "unpack_bucket"
+        "unknown kernel 'no_such_kernel'; known kernels: fp8_dequantize, fp8_quantize, "
+        "pack_bucket, scale_accumulate, unpack_bucket"
     )
     assert isinstance(info.value, LookupError)
     for call in (
@@ -239,7 +239,7 @@ def test_unknown_kernel_lists_known_names() -> None:
         lambda: launcher.implementation_name("nope"),
         lambda: launcher.reference("nope"),
     ):
-        with pytest.raises(KernelError, match="known kernels: pack_bucket, "):
+        with pytest.raises(KernelError, match="known kernels: fp8_dequantize, "):
             call()
     with pytest.raises(KernelError, match=r"known kernels: \(none\)"):
         KernelRegistry().spec("x")
@@ -314,7 +314,7 @@ def test_register_for_undefined_kernel() -> None:
         registry.register("fused_adam", "cpu", pack_bucket_cat)
     message = str(info.value)
     assert "unknown kernel 'fused_adam'" in message
-    assert "known kernels: pack_bucket, scale_accumulate, unpack_bucket" in message
+    assert "known kernels: fp8_dequantize, fp8_quantize, pack_bucket" in message
     with pytest.raises(KernelError, match="reserved"):
         registry.register("pack_bucket", REFERENCE, pack_bucket_cat)
     with pytest.raises(KernelError, match="must be callable"):
@@ -352,7 +352,13 @@ def test_dim3_volume_and_defaults() -> None:
 def test_builtin_registry_contents_and_independence() -> None:
     a = builtin_registry()
     b = builtin_registry()
-    assert a.names() == ["pack_bucket", "scale_accumulate", "unpack_bucket"]
+    assert a.names() == [
+        "fp8_dequantize",
+        "fp8_quantize",
+        "pack_bucket",
+        "scale_accumulate",
+        "unpack_bucket",
+    ]
     for name in a.names():
         spec = a.spec(name)
         assert spec.name == name and spec.doc
@@ -474,3 +480,37 @@ def test_elementwise_geometry() -> None:
         elementwise_geometry(-1)
     with pytest.raises(ValueError, match="block must be an int >= 1"):
         elementwise_geometry(10, block=0)
+
+
+# --------------------------------------------------------------------------- fp8
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where the other is NaN (NaN payloads may differ)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a[~nan].view(torch.int32), b[~nan].view(torch.int32)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_fp8_kernels_are_bit_exact_to_the_references(dtype: torch.dtype) -> None:
+    launcher = cpu_launcher()
+    assert launcher.implementation_name("fp8_quantize") == "cpu"
+    gen = torch.Generator().manual_seed(0)
+    top = {torch.float32: 3e38, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
+    for scale in (1e-38, 1e-10, 1e-3, 1.0, 1e3, top):
+        x = torch.randn(128 * 64, generator=gen) * torch.logspace(-8, 0, 128 * 64)
+        x = (x / x.abs().max() * scale).to(dtype)
+        x[3], x[200], x[1000:1128] = float("inf"), float("nan"), 0.0
+        payload, exponents = launcher.launch("fp8_quantize", x, 128)
+        want = launcher.reference("fp8_quantize", x, 128)
+        assert torch.equal(payload, want[0]) and torch.equal(exponents, want[1]), scale
+        got = launcher.launch("fp8_dequantize", payload, exponents, 128)
+        assert _same_bits(got, launcher.reference("fp8_dequantize", payload, exponents, 128))
+    every_code = torch.arange(256, dtype=torch.uint8)
+    for e in range(-127, 128, 9):
+        exps = torch.tensor([e, -e], dtype=torch.int8)
+        codes = every_code.repeat(2)
+        got = launcher.launch("fp8_dequantize", codes, exps, 256)
+        assert _same_bits(got, launcher.reference("fp8_dequantize", codes, exps, 256)), e

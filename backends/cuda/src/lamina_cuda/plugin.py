@@ -30,9 +30,12 @@ def lamina_register_backends() -> list[Backend]:
 
 @hookimpl
 def lamina_register_kernels(registry: KernelRegistry) -> None:
-    """Triton pack_bucket / scale_accumulate, when triton is installed and a GPU is visible."""
+    """Triton pack_bucket / scale_accumulate / fp8_quantize / fp8_dequantize, when triton is
+    installed and a GPU is visible."""
     if triton_unusable_reason() is not None:
         return
+    from lamina_cuda.triton_fp8 import register_triton_fp8_kernels
     from lamina_cuda.triton_kernels import register_triton_kernels
 
     register_triton_kernels(registry)
+    register_triton_fp8_kernels(registry)

@@ -11,6 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
+from lamina.device.fp8_kernels import (
+    block_exponents,
+    check_fp8_dequantize_args,
+    check_fp8_quantize_args,
+)
 from lamina.device.kernels import (
     KernelRegistry,
     LaunchConfig,
@@ -18,7 +23,14 @@ from lamina.device.kernels import (
     prepare_pack_bucket,
 )
 
-__all__ = ["BACKEND", "pack_bucket_cat", "register_cpu_kernels", "scale_accumulate_add"]
+__all__ = [
+    "BACKEND",
+    "fp8_dequantize_table",
+    "fp8_quantize_exp2",
+    "pack_bucket_cat",
+    "register_cpu_kernels",
+    "scale_accumulate_add",
+]
 
 #: The backend name the implementations are registered under.
 BACKEND = "cpu"
@@ -44,7 +56,49 @@ def scale_accumulate_add(
     return dst
 
 
+#: The float32 value of each of the 256 e4m3fn bit patterns (NaN for 0x7F and 0xFF).
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def fp8_quantize_exp2(
+    config: LaunchConfig,
+    x: torch.Tensor,
+    block: int,
+    payload: torch.Tensor | None = None,
+    exponents: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_quantize`` scaling by a multiply with ``exp2(e)`` (what ``ldexp`` computes,
+    without its ``pow``) and rounding straight into the payload's storage."""
+    payload, exponents = check_fp8_quantize_args(x, block, payload, exponents)
+    with torch.no_grad():
+        blocks = x.reshape(-1, block).float()
+        exponent = block_exponents(blocks.abs().amax(dim=1, keepdim=True))
+        target = payload.view(torch.float8_e4m3fn).view(-1, block)
+        target.copy_(blocks * torch.exp2(exponent))
+        exponents.copy_(exponent.reshape(-1))
+    return payload, exponents
+
+
+def fp8_dequantize_table(
+    config: LaunchConfig,
+    payload: torch.Tensor,
+    exponents: torch.Tensor,
+    block: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fp8_dequantize`` through a 256-entry table of e4m3 values (torch's own fp8 to
+    fp32 conversion is several times slower on the CPU), then one scaling multiply."""
+    out = check_fp8_dequantize_args(payload, exponents, block, out)
+    with torch.no_grad():
+        values = _E4M3_VALUES.to(payload.device).index_select(0, payload.int())
+        scale = torch.exp2(-exponents.float()).view(-1, 1)
+        torch.mul(values.view(-1, block), scale, out=out.view(-1, block))
+    return out
+
+
 def register_cpu_kernels(registry: KernelRegistry) -> None:
     """Register the CPU implementations in ``registry`` under backend ``"cpu"``."""
     registry.register("pack_bucket", BACKEND, pack_bucket_cat)
     registry.register("scale_accumulate", BACKEND, scale_accumulate_add)
+    registry.register("fp8_quantize", BACKEND, fp8_quantize_exp2)
+    registry.register("fp8_dequantize", BACKEND, fp8_dequantize_table)

@@ -511,7 +511,9 @@ _BUILTINS = (
 
 def builtin_registry() -> KernelRegistry:
     """A new registry with the built-in kernels defined (and no backend implementations)."""
+    from lamina.device.fp8_kernels import FP8_KERNELS  # it builds on this module
+
     registry = KernelRegistry()
-    for spec in _BUILTINS:
+    for spec in (*_BUILTINS, *FP8_KERNELS):
         registry.define(spec)
     return registry

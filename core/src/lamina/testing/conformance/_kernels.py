@@ -94,9 +94,44 @@ def _scale_odd_sample(device: torch.device) -> tuple[tuple[Any, ...], dict[str, 
     return (dst, src, -0.5), {}  # not a multiple of any block size; exact in any order
 
 
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8 * 128, generator=gen) * torch.logspace(-6, 3, 8).repeat_interleave(128)
+    x[5], x[130] = 0.0, 448.0  # a zero, and a block whose largest value is e4m3's largest
+    x[256:384] = 0.0  # an all-zero block
+    return x.to(device)
+
+
+def _fp8_quantize_sample(device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (_fp8_values(device), 128), {}
+
+
+def _fp8_quantize_into_sample(device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    x = _fp8_values(device).to(torch.bfloat16)
+    payload = torch.full((x.numel(),), 9, dtype=torch.uint8, device=device)
+    exponents = torch.full((x.numel() // 64,), 9, dtype=torch.int8, device=device)
+    return (x, 64), {"payload": payload, "exponents": exponents}
+
+
+def _fp8_dequantize_sample(device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    gen = torch.Generator().manual_seed(4)
+    payload = torch.randint(0, 256, (1024,), dtype=torch.uint8, generator=gen)
+    payload[payload & 0x7F == 0x7F] = 1  # no NaN bits: NaN != NaN in the comparison
+    exponents = torch.randint(-20, 20, (8,), dtype=torch.int8, generator=gen)
+    return (payload.to(device), exponents.to(device), 128), {}
+
+
+def _fp8_dequantize_into_sample(device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    (payload, exponents, _), _ = _fp8_dequantize_sample(device)
+    out = torch.full((payload.numel(),), -1.0, device=device)
+    return (payload, exponents.repeat_interleave(2), 64), {"out": out}
+
+
 #: Calls of every built-in kernel; a plugin's own kernels bring their own (``kernel_samples``).
 KERNEL_SAMPLES: dict[str, tuple[KernelSample, ...]] = {
     "pack_bucket": (_pack_sample, _pack_into_sample),
     "unpack_bucket": (_unpack_sample, _unpack_into_sample),
     "scale_accumulate": (_scale_sample, _scale_odd_sample),
+    "fp8_quantize": (_fp8_quantize_sample, _fp8_quantize_into_sample),
+    "fp8_dequantize": (_fp8_dequantize_sample, _fp8_dequantize_into_sample),
 }
