@@ -13,6 +13,7 @@ import lamina
 from lamina.comm.fp8 import (
     BLOCK,
     E4M3_MAX,
+    Fp8Sum,
     QuantizationCounts,
     all_reduce_fp8,
     dequantize,
@@ -90,7 +91,31 @@ def _reduce_all() -> dict[str, Any]:
             "same_everywhere": all(torch.equal(g, got) for g in gathered),
             "counts": (counts.overflow, counts.underflow),
         }
+    out["feedback"] = {ef: _accumulated_error(runtime.rank, ef) for ef in (False, True)}
     return out
+
+
+#: Steps the error-feedback test accumulates.
+FEEDBACK_STEPS = 16
+
+
+def _accumulated_error(rank: int, error_feedback: bool) -> dict[str, float]:
+    """The same gradients summed ``FEEDBACK_STEPS`` times: the relative L2 error of the
+    accumulated fp8 sums against the exact accumulated sum, and of the last step alone."""
+    grad = torch.randn(4099, generator=torch.Generator().manual_seed(rank))
+    exact = grad.clone()
+    dist.all_reduce(exact)
+    fp8 = Fp8Sum(error_feedback=error_feedback)
+    total = torch.zeros_like(grad)
+    for _ in range(FEEDBACK_STEPS):
+        result = fp8.run(grad)[: grad.numel()]
+        fp8.commit(True)
+        total += result
+    return {
+        "accumulated": _relative_l2(total, FEEDBACK_STEPS * exact),
+        "step": _relative_l2(result, exact),
+        "held": fp8.residual_nbytes(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +132,18 @@ def test_two_phase_sum_is_close_to_fp32_and_equal_on_every_rank(
         assert result[size]["same_everywhere"], rank
         assert result[size]["error"] < 4e-2, (rank, result[size])  # measured 3.1-3.4e-2
         assert result[size]["counts"][0] == 0, rank
+
+
+@pytest.mark.timeout(180)
+def test_error_feedback_carries_what_quantizing_lost_into_the_next_steps(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(results):
+        without, with_ = result["feedback"][False], result["feedback"][True]
+        # one step loses e4m3's ~3e-2 either way; without feedback the loss repeats
+        assert 1e-2 < without["step"] < 4e-2 and 1e-2 < with_["step"] < 6e-2, rank
+        assert without["accumulated"] > 1e-2, rank
+        # with it, the accumulated sums miss only the last residuals: ~1/steps of a step
+        assert with_["accumulated"] < 5e-3, (rank, with_)
+        assert without["held"] == 0
+        assert with_["held"] == Fp8Sum.residual_bytes(4099, WORLD)

@@ -38,6 +38,8 @@ from lamina.comm.layout import HostLayout
 from lamina.trace.recorder import lamina_internal
 from lamina.works import AllWorks, SerialWorker, ThreadWork
 
+#: A compressed in-place sum of chunk ``k``'s shard over the inter-host group.
+InterSum = Callable[[int, torch.Tensor, dist.ProcessGroup | None], None]
 #: Store prefix of the renumbered ring groups.
 ORDERED_PREFIX = "lamina/ordered-ring"
 _ORDERED_COUNT = [0]
@@ -113,9 +115,17 @@ class AlgorithmGroups:
             self.worker = None
 
     # -- running ---------------------------------------------------------------------------
-    def all_reduce(self, algorithm: str, tensor: torch.Tensor, chunks: int = 1) -> Any:
+    def all_reduce(
+        self,
+        algorithm: str,
+        tensor: torch.Tensor,
+        chunks: int = 1,
+        inter_sum: InterSum | None = None,
+    ) -> Any:
         """Sum the 1-D contiguous ``tensor`` in place over the group with ``algorithm``
-        (``chunks`` pipeline stages for ``pipelined``); returns a work to wait on."""
+        (``chunks`` pipeline stages for ``pipelined``); returns a work to wait on.
+        ``inter_sum(k, shard, group)``, when given, sums chunk ``k``'s shard over the
+        inter-host group in place (a compressed sum) instead of its all-reduce."""
         if algorithm in self.unavailable:
             raise ValueError(
                 f"algorithm {algorithm!r} cannot run here: {self.unavailable[algorithm]}"
@@ -137,7 +147,7 @@ class AlgorithmGroups:
         def run() -> AllWorks:
             with lamina_internal(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                return self._hierarchical(tensor, stages)
+                return self._hierarchical(tensor, stages, inter_sum)
 
         if self.worker is None:
             return run()
@@ -148,7 +158,9 @@ class AlgorithmGroups:
         work: ThreadWork = self.worker.submit(run_and_wait)
         return work
 
-    def _hierarchical(self, tensor: torch.Tensor, chunks: int) -> AllWorks:
+    def _hierarchical(
+        self, tensor: torch.Tensor, chunks: int, inter_sum: InterSum | None = None
+    ) -> AllWorks:
         """The three phases on ``chunks`` pieces, software-pipelined: at tick ``t`` the
         intra-host all-gather of chunk ``t-2``, the inter-host all-reduce of chunk
         ``t-1`` and the intra-host reduce-scatter of chunk ``t`` are in flight."""
@@ -171,7 +183,12 @@ class AlgorithmGroups:
             mid = tick - 1
             if 0 <= mid < chunks:
                 shard = scattered[mid]()  # type: ignore[misc]
-                reduced[mid] = (dist.all_reduce(shard, group=self.inter, async_op=True), shard)
+                if inter_sum is None:
+                    work = dist.all_reduce(shard, group=self.inter, async_op=True)
+                else:
+                    inter_sum(mid, shard, self.inter)
+                    work = AllWorks([])
+                reduced[mid] = (work, shard)
             if tick < chunks:
                 scattered[tick] = self.scatter_in_host(parts[tick])
         result = AllWorks(gathered)

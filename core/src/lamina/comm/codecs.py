@@ -1,7 +1,9 @@
 """Optional gradient codecs: fewer bytes on the wire for a bucket's all-reduce.
 
-A codec turns a (pre-averaged) fp32 bucket into a narrower wire tensor that is
-all-reduced in place and decoded back into the bucket. It is optional, so it can fail
+A cast codec (``bf16``, ``fp16``) turns a (pre-averaged) fp32 bucket into a narrower
+wire tensor that is all-reduced in place and decoded back into the bucket. The ``fp8``
+codec (:class:`Fp8Codec`) cannot be summed by the collective itself: it reduces in two
+phases (:mod:`lamina.comm.fp8`), with error feedback. A codec is optional, so it can fail
 without stopping training: a codec that fails its self-check while planning is replaced
 by the uncompressed all-reduce for the whole run, and a reduction that decodes to
 non-finite values (fp16 overflow) is redone uncompressed for that bucket and step. The
@@ -15,7 +17,26 @@ import abc
 
 import torch
 
+from lamina.comm.fp8 import (
+    BLOCK,
+    Fp8Scatter,
+    Fp8Sum,
+    Quantized,
+    dequantize,
+    padded_numel,
+    quantize,
+)
+from lamina.device.kernels import KernelLauncher
 from lamina.errors import ConfigError, failure_reason
+
+#: Where a two-phase codec compresses: every phase, or the inter-host phase only.
+CODEC_SCOPES = ("all", "inter")
+#: The exact reductions a two-phase codec's bucket falls back to.
+FP8_FALLBACKS = ("fp32", "bf16")
+
+
+class WrongWireSize(ValueError):
+    """A codec's wire tensor does not hold one element per bucket element."""
 
 
 class Codec(abc.ABC):
@@ -32,6 +53,9 @@ class Codec(abc.ABC):
         """Whether buckets of ``dtype`` are compressed (wider than the wire dtype)."""
         return dtype.is_floating_point and dtype.itemsize > self.wire_dtype.itemsize
 
+    #: True for a codec the collective cannot sum (it reduces in two phases).
+    two_phase: bool = False
+
     @abc.abstractmethod
     def encode(self, bucket: torch.Tensor) -> torch.Tensor:
         """A new wire tensor holding ``bucket``."""
@@ -39,6 +63,15 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         """Write the reduced ``wire`` tensor into ``out`` (the bucket)."""
+
+    def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
+        """``bucket`` encoded and decoded again (the self-check's probe)."""
+        wire = self.encode(bucket)
+        if not isinstance(wire, torch.Tensor) or wire.numel() != bucket.numel():
+            raise WrongWireSize(bucket.numel())
+        out = torch.empty_like(bucket)
+        self.decode(wire, out)
+        return out
 
 
 class CastCodec(Codec):
@@ -59,9 +92,109 @@ class CastCodec(Codec):
         out.copy_(wire)
 
 
+class Fp8Codec(Codec):
+    """e4m3 with one power-of-two scale per ``block`` elements, summed in two phases
+    (:class:`~lamina.comm.fp8.Fp8Sum`): 0.252x fp32's bytes. ``error_feedback`` carries
+    each rank's quantization residual into the next step; a bucket a rank flags (input
+    not finite, a magnitude past ``overflow_at``, a quantization error past
+    ``error_bound``) is reduced as ``fallback`` (``"fp32"`` or ``"bf16"``) that step.
+    ``launcher`` runs the quantize kernels (the backend's, else the torch reference)."""
+
+    name = "fp8"
+    wire_dtype = torch.float8_e4m3fn
+    tolerance = 2.0**-4  # 3 mantissa bits: half a step of 2**-3
+    two_phase = True
+
+    def __init__(
+        self,
+        *,
+        error_feedback: bool = True,
+        block: int = BLOCK,
+        error_bound: float = 0.1,
+        overflow_at: float = float("inf"),
+        fallback: str = "fp32",
+        launcher: KernelLauncher | None = None,
+    ) -> None:
+        if block < 1 or block & (block - 1):
+            raise ConfigError(f"fp8 block={block} must be a power of two (128 is measured)")
+        if not error_bound > 0 or not overflow_at > 0:
+            raise ConfigError(
+                f"fp8 error_bound={error_bound} and overflow_at={overflow_at} must be > 0"
+            )
+        if fallback not in FP8_FALLBACKS:
+            raise ConfigError(f"fp8 fallback={fallback!r} is not one of {list(FP8_FALLBACKS)}")
+        self.error_feedback = error_feedback
+        self.block = block
+        self.error_bound = error_bound
+        self.overflow_at = overflow_at
+        self.fallback = fallback
+        self.launcher = launcher
+
+    def with_launcher(self, launcher: KernelLauncher) -> Fp8Codec:
+        """This codec's settings, running the kernels of ``launcher``."""
+        return Fp8Codec(
+            error_feedback=self.error_feedback,
+            block=self.block,
+            error_bound=self.error_bound,
+            overflow_at=self.overflow_at,
+            fallback=self.fallback,
+            launcher=launcher,
+        )
+
+    def new_sum(self) -> Fp8Sum:
+        """The per-bucket state of one bucket's two-phase sums."""
+        return Fp8Sum(
+            block=self.block,
+            error_feedback=self.error_feedback,
+            error_bound=self.error_bound,
+            overflow_at=self.overflow_at,
+            launcher=self.launcher,
+        )
+
+    def new_scatter(self) -> Fp8Scatter:
+        """The per-unit state of one unit's fp8 reduce-scatters (ZeRO-3)."""
+        return Fp8Scatter(
+            block=self.block,
+            error_feedback=self.error_feedback,
+            error_bound=self.error_bound,
+            overflow_at=self.overflow_at,
+            launcher=self.launcher,
+        )
+
+    def encode(self, bucket: torch.Tensor) -> torch.Tensor:
+        """The e4m3 bits of ``bucket`` padded to whole blocks (exponents dropped: this is
+        for inspection; the reduction runs :meth:`new_sum`)."""
+        return self._quantize(bucket).payload
+
+    def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        """Not used: the two-phase sum decodes as it goes."""
+        raise NotImplementedError("fp8 buckets are reduced by Fp8Codec.new_sum()")
+
+    def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
+        """``bucket`` quantized with its block scales and decoded."""
+        decoded = dequantize(self._quantize(bucket), launcher=self.launcher)
+        return decoded[: bucket.numel()].to(bucket.dtype)
+
+    def _quantize(self, bucket: torch.Tensor) -> Quantized:
+        padded = torch.zeros(
+            padded_numel(bucket.numel(), 1, self.block), dtype=torch.float32, device=bucket.device
+        )
+        padded[: bucket.numel()].copy_(bucket.reshape(-1))
+        return quantize(padded, self.block, launcher=self.launcher)
+
+    def describe(self) -> str:
+        """Its settings, for plans."""
+        feedback = "with" if self.error_feedback else "without"
+        return (
+            f"fp8 e4m3, blocks of {self.block}, {feedback} error feedback, falls back to "
+            f"{self.fallback}"
+        )
+
+
 BUILTIN_CODECS: dict[str, Codec] = {
     "bf16": CastCodec("bf16", torch.bfloat16, 2.0**-8),
     "fp16": CastCodec("fp16", torch.float16, 2.0**-11),
+    "fp8": Fp8Codec(),
 }
 
 
@@ -82,11 +215,9 @@ def self_check(codec: Codec, dtype: torch.dtype, device: torch.device) -> str:
     """Round-trip a probe bucket through ``codec``; '' when it works, else the reason."""
     probe = torch.linspace(-4.0, 4.0, 1031, dtype=torch.float32).to(dtype=dtype, device=device)
     try:
-        wire = codec.encode(probe)
-        if not isinstance(wire, torch.Tensor) or wire.numel() != probe.numel():
-            return f"codec {codec.name} encoded a {probe.numel()}-element bucket wrongly"
-        out = torch.empty_like(probe)
-        codec.decode(wire, out)
+        out = codec.round_trip(probe)
+    except WrongWireSize:
+        return f"codec {codec.name} encoded a {probe.numel()}-element bucket wrongly"
     except Exception as exc:
         return f"codec {codec.name} failed its self-check: {failure_reason(exc)}"
     error = float(((out - probe).abs() / probe.abs().clamp(min=1e-3)).max())

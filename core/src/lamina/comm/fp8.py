@@ -3,10 +3,10 @@
 A sum of FP8 values cannot be taken in FP8 by the collective itself, so the reduction
 is restructured around collectives that only move bytes:
 
-1. every rank quantizes its buffer (:func:`quantize`): blocks of :data:`BLOCK` elements,
-   each scaled by a power of two so that its largest magnitude lands at or under e4m3's
-   448, cast to ``float8_e4m3fn`` and sent as a ``uint8`` view, with one ``int8``
-   exponent per block;
+1. every rank quantizes its buffer (:func:`quantize`, the ``fp8_quantize`` kernel):
+   blocks of :data:`BLOCK` elements, each scaled by a power of two so that its largest
+   magnitude lands at or under e4m3's 448, sent as ``uint8`` with one ``int8`` exponent
+   per block;
 2. ``all_to_all`` hands rank ``r`` the ``r``-th of ``P`` chunks of every rank's payload
    and exponents (the reduce-scatter phase);
 3. rank ``r`` dequantizes the ``P`` chunks and sums them in fp32;
@@ -18,26 +18,56 @@ fp32 moves ``(P-1)/P`` of ``4n`` per phase: 0.252x the bytes with 128-element bl
 Every rank decodes the same gathered bytes, so the result is bitwise equal on every rank.
 
 Precision: e4m3 keeps 3 mantissa bits, so one quantization has a relative L2 error of
-about 2.6e-2 whatever the block size (the block scale only sets the exponent range;
-measured on Gaussian and on mixed-magnitude data, blocks of 32 to 256). The reduction
-quantizes twice; the error of the first quantization averages over the ranks.
+about 2.6e-2 whatever the block size (the block scale only sets the exponent range).
+:class:`Fp8Sum` adds error feedback: each rank keeps what quantizing its contribution
+lost, and each chunk's owner what re-quantizing the sum lost, and adds it to the next
+step's buffer, so over steps nothing is lost but a bounded residual.
+
+Safety without an extra collective: a rank whose input is not finite, passes the
+overflow bound, or quantizes with an error past the bound puts a NaN into its payload.
+The NaN survives the sum and the gather, so every rank decodes a non-finite result in
+the same step and takes the same fallback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lamina.device.fp8_kernels import E4M3_MAX, MAX_EXPONENT, MIN_EXPONENT
+from lamina.device.kernels import KernelLauncher, builtin_registry
 from lamina.errors import ConfigError
+from lamina.works import AllWorks, SerialWorker
 
-#: Elements per scaled block.
+__all__ = [
+    "BLOCK",
+    "E4M3_MAX",
+    "MAX_EXPONENT",
+    "MIN_EXPONENT",
+    "Fp8Channel",
+    "Fp8Stats",
+    "Fp8Sum",
+    "QuantizationCounts",
+    "Quantized",
+    "all_reduce_fp8",
+    "dequantize",
+    "padded_numel",
+    "quantize",
+    "quantized_bytes",
+    "wire_bytes",
+]
+
+#: Elements per scaled block (measured: 32 to 256 give the same error; 128 keeps the
+#: exponents under 1% of the payload).
 BLOCK = 128
-#: Largest finite magnitude of ``float8_e4m3fn``.
-E4M3_MAX = 448.0
-#: Exponent bounds of a block scale (it travels as an int8).
-MIN_EXPONENT, MAX_EXPONENT = -127, 127
+#: e4m3fn's NaN bits: a rank's flag that the bucket must fall back.
+NAN_BITS = 0x7F
+_REFERENCE = KernelLauncher(builtin_registry(), "reference")
 
 
 @dataclass(frozen=True)
@@ -79,39 +109,32 @@ def _check_block(numel: int, block: int) -> None:
 
 
 def quantize(
-    x: torch.Tensor, block: int = BLOCK, counts: QuantizationCounts | None = None
+    x: torch.Tensor,
+    block: int = BLOCK,
+    counts: QuantizationCounts | None = None,
+    launcher: KernelLauncher | None = None,
 ) -> Quantized:
     """``x`` (1-D, float, a multiple of ``block`` elements) in e4m3 with one power-of-two
-    scale per block; ``counts`` (if given) gets what was lost."""
+    scale per block, by ``launcher``'s ``fp8_quantize``; ``counts`` (if given) gets what
+    was lost."""
     _check_block(x.numel(), block)
-    blocks = x.detach().reshape(-1, block).float()
-    amax = blocks.abs().amax(dim=1, keepdim=True)
-    finite = torch.isfinite(amax)
-    safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
-    exponent = torch.floor(torch.log2(E4M3_MAX / safe)).clamp(MIN_EXPONENT, MAX_EXPONENT)
-    # log2 may round up by one ulp: step back where the block would pass 448
-    exponent = exponent - (torch.ldexp(safe, exponent) > E4M3_MAX).float()
-    scaled = torch.ldexp(blocks, exponent)
-    payload = scaled.to(torch.float8_e4m3fn)
+    flat = x.detach().reshape(-1)
+    payload, exponents = (launcher or _REFERENCE).launch("fp8_quantize", flat, block)
     if counts is not None:
-        counts.overflow += int((~torch.isfinite(blocks)).sum())
-        counts.underflow += int(((blocks != 0) & (payload.float() == 0)).sum())
-    return Quantized(
-        payload.view(torch.uint8).reshape(-1),
-        exponent.to(torch.int8).reshape(-1),
-        block,
-    )
+        counts.overflow += int((~torch.isfinite(flat)).sum())
+        zero = (payload & 0x7F) == 0  # +0 and -0
+        counts.underflow += int(((flat != 0) & zero).sum())
+    return Quantized(payload, exponents, block)
 
 
-def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    q: Quantized, out: torch.Tensor | None = None, launcher: KernelLauncher | None = None
+) -> torch.Tensor:
     """The fp32 values of ``q`` (written into ``out`` when given)."""
-    values = q.payload.view(torch.float8_e4m3fn).float().reshape(-1, q.block)
-    exponent = q.exponents.float().reshape(-1, 1)
-    decoded = torch.ldexp(values, -exponent).reshape(-1)
-    if out is None:
-        return decoded
-    out.copy_(decoded)
-    return out
+    result: torch.Tensor = (launcher or _REFERENCE).launch(
+        "fp8_dequantize", q.payload, q.exponents, q.block, out=out
+    )
+    return result
 
 
 def padded_numel(numel: int, world_size: int, block: int = BLOCK) -> int:
@@ -121,11 +144,202 @@ def padded_numel(numel: int, world_size: int, block: int = BLOCK) -> int:
     return -(-numel // unit) * unit
 
 
+def quantized_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
+    """Bytes of a buffer of ``numel`` elements quantized for ``world_size`` ranks (payload
+    and exponents): what the two phases carry where a ring carries the fp32 buffer."""
+    padded = padded_numel(numel, world_size, block)
+    return padded + padded // block
+
+
 def wire_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
     """Bytes one rank sends in the two phases for a buffer of ``numel`` elements."""
-    padded = padded_numel(numel, world_size, block)
-    per_phase = (world_size - 1) * (padded + padded // block) // world_size
-    return 2 * per_phase
+    return 2 * (world_size - 1) * quantized_bytes(numel, world_size, block) // world_size
+
+
+def _relative_error(exact: torch.Tensor, decoded: torch.Tensor) -> float:
+    norm = float(exact.norm())
+    return float((exact - decoded).norm()) / norm if norm > 0 else 0.0
+
+
+@dataclass
+class Fp8Stats:
+    """What one rank saw in one two-phase sum: quantization counts over both phases, the
+    relative L2 error of quantizing its contribution (``error_in``) and its summed chunk
+    (``error_out``), and why it flagged the bucket for the fallback ('' if it did not)."""
+
+    counts: QuantizationCounts = field(default_factory=QuantizationCounts)
+    error_in: float = 0.0
+    error_out: float = 0.0
+    flagged: str = ""
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """For the trace."""
+        return {
+            "overflow": self.counts.overflow,
+            "underflow": self.counts.underflow,
+            "error_in": self.error_in,
+            "error_out": self.error_out,
+            "flagged": self.flagged,
+        }
+
+
+@dataclass
+class _Quantization:
+    """One side of a two-phase sum, kept on the device until :meth:`Fp8Sum.stats` reads
+    it (reading would wait for the device). The counts are taken from the residual when
+    asked for: a non-finite input leaves a non-finite residual, and an input that
+    underflowed a zero payload with a nonzero residual."""
+
+    q: Quantized
+    residual: torch.Tensor
+    error: torch.Tensor
+    largest: torch.Tensor
+    flag: torch.Tensor
+
+    def counts(self) -> QuantizationCounts:
+        """Non-finite inputs and underflows of this quantization."""
+        not_finite = int((~torch.isfinite(self.residual)).sum())
+        zeros = (self.q.payload & 0x7F) == 0
+        return QuantizationCounts(not_finite, int((zeros & (self.residual != 0)).sum()))
+
+
+class Fp8Sum:
+    """The two-phase fp8 sum of one buffer, step after step, with its error feedback.
+
+    :meth:`run` sums a tensor over a group and returns the decoded result (every rank
+    gets the same bits); :meth:`commit` then keeps (``ok``) or drops the residuals of
+    that call. With ``error_feedback`` each rank carries two fp32 residuals between
+    steps: its contribution's (the padded buffer) and its owned chunk's (``1/P`` of it),
+    :meth:`residual_bytes` in all. A rank flags the bucket (a NaN in its payload, so the
+    result decodes non-finite everywhere) when its input is not finite, when a value's
+    magnitude passes ``overflow_at`` or when a quantization's relative L2 error passes
+    ``error_bound``. Flags are computed on the device: nothing waits for it before
+    :meth:`stats`.
+    """
+
+    def __init__(
+        self,
+        *,
+        block: int = BLOCK,
+        error_feedback: bool = True,
+        error_bound: float = 0.1,
+        overflow_at: float = float("inf"),
+        launcher: KernelLauncher | None = None,
+    ) -> None:
+        self.block = block
+        self.error_feedback = error_feedback
+        self.error_bound = error_bound
+        self.overflow_at = overflow_at
+        self.launcher = launcher or _REFERENCE
+        self._residual: torch.Tensor | None = None
+        self._owned_residual: torch.Tensor | None = None
+        #: the last sum's two quantizations (the second absent for a reduce-scatter)
+        self.last: tuple[_Quantization, _Quantization | None] | None = None
+
+    @staticmethod
+    def residual_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
+        """fp32 bytes of the error-feedback residuals for a buffer of ``numel`` elements."""
+        padded = padded_numel(numel, world_size, block)
+        return 4 * (padded + padded // world_size)
+
+    def residual_nbytes(self) -> int:
+        """Bytes of the residuals held now (none before the first sum)."""
+        held = (self._residual, self._owned_residual)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def quantize_side(
+        self,
+        values: torch.Tensor,
+        residual: torch.Tensor | None,
+        overflow_at: float | None = None,
+    ) -> _Quantization:
+        """``values`` (plus ``residual``) quantized; a flagged payload carries a NaN (past
+        ``overflow_at``, default the sum's own bound). ``values`` is consumed: it becomes
+        the new residual. Every statistic stays on the device."""
+        bound = self.overflow_at if overflow_at is None else overflow_at
+        if residual is not None:
+            values.add_(residual)
+        q = quantize(values, self.block, launcher=self.launcher)
+        low, high = torch.aminmax(values)  # NaN when any value is
+        largest = torch.maximum(-low, high)
+        norm = values.norm()
+        values.sub_(dequantize(q, launcher=self.launcher))  # now the residual
+        error = torch.where(norm > 0, values.norm() / norm, torch.zeros_like(norm))
+        flag = ~torch.isfinite(largest) | (largest > bound) | (error > self.error_bound)
+        q.payload[:1] = torch.where(flag, NAN_BITS, q.payload[:1])
+        return _Quantization(q, values, error, largest, flag)
+
+    def run(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """The sum of the 1-D float ``tensor`` over ``group`` (a new padded fp32 tensor; the
+        first ``tensor.numel()`` elements are the sum), non-finite where a rank flagged.
+        ``tensor`` is not written. Every rank of ``group`` calls it with the same numel."""
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        padded = padded_numel(tensor.numel(), world, self.block)
+        source = torch.zeros(padded, dtype=torch.float32, device=tensor.device)
+        source[: tensor.numel()].copy_(tensor.detach().reshape(-1))
+        residual, owned = self._residuals(source, world) if self.error_feedback else (None, None)
+        mine = self.quantize_side(source, residual)
+        # reduce-scatter phase: chunk r of every rank's payload and exponents to rank r
+        payload = torch.empty_like(mine.q.payload)
+        exponents = torch.empty_like(mine.q.exponents)
+        dist.all_to_all_single(payload, mine.q.payload, group=group)
+        dist.all_to_all_single(exponents, mine.q.exponents, group=group)
+        chunk = padded // world
+        received = dequantize(Quantized(payload, exponents, self.block), launcher=self.launcher)
+        summed = received.view(world, chunk).sum(dim=0)
+        # all-gather phase: every rank's summed chunk, quantized once by its owner
+        reduced = self.quantize_side(summed, owned)
+        self.last = (mine, reduced)
+        _all_gather(payload, reduced.q.payload, rank, world, group)
+        _all_gather(exponents, reduced.q.exponents, rank, world, group)
+        return dequantize(Quantized(payload, exponents, self.block), launcher=self.launcher)
+
+    def _residuals(self, source: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = source.numel() // world
+        if self._residual is None or self._residual.numel() != source.numel():
+            self._residual = torch.zeros_like(source)
+            self._owned_residual = torch.zeros(chunk, dtype=source.dtype, device=source.device)
+        assert self._owned_residual is not None
+        return self._residual, self._owned_residual
+
+    def slot_residual(self, like: torch.Tensor) -> torch.Tensor:
+        """The residual of a reduce-scatter's input ``like`` (no owned part)."""
+        if self._residual is None or self._residual.numel() != like.numel():
+            self._residual = torch.zeros_like(like)
+        return self._residual
+
+    def stats(self) -> Fp8Stats:
+        """What the last :meth:`run` saw on this rank (waits for the device)."""
+        if self.last is None:
+            return Fp8Stats()
+        sides = [s for s in self.last if s is not None]
+        stats = Fp8Stats(QuantizationCounts(), float(sides[0].error), float(sides[-1].error))
+        for side in sides:
+            stats.counts.add(side.counts())
+        for side, label in zip(sides, ("its input", "its summed chunk"), strict=False):
+            finite = math.isfinite(float(side.largest))
+            if not finite:  # a summed chunk: another rank's flag, or fp32 overflow
+                stats.flagged = "its input is not finite" if side is sides[0] else ""
+            elif float(side.largest) > self.overflow_at:
+                stats.flagged = f"{label} passes overflow_at={self.overflow_at:g}"
+            elif float(side.error) > self.error_bound:
+                stats.flagged = (
+                    f"{label} quantizes with error {float(side.error):.2e} > "
+                    f"error_bound={self.error_bound:g}"
+                )
+            if stats.flagged or not finite:
+                break
+        return stats
+
+    def commit(self, ok: bool) -> None:
+        """Keep the last :meth:`run`'s residuals (``ok``: its result was used) or drop
+        them (the bucket fell back: it was reduced exactly, the old residuals carry on)."""
+        if ok and self.last is not None and self.error_feedback:
+            mine, reduced = self.last
+            self._residual = mine.residual
+            if reduced is not None:
+                self._owned_residual = reduced.residual
 
 
 def all_reduce_fp8(
@@ -135,33 +349,16 @@ def all_reduce_fp8(
     counts: QuantizationCounts | None = None,
 ) -> torch.Tensor:
     """Sum the 1-D float ``tensor`` over ``group`` in place through the two phases (see
-    the module docstring) and return it; ``counts`` gets what both quantizations lost on
-    this rank. Every rank of ``group`` must call it with the same ``numel``."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if world == 1:
+    the module docstring, no error feedback) and return it; ``counts`` gets what both
+    quantizations lost on this rank. Every rank of ``group`` must call it with the same
+    ``numel``."""
+    if dist.get_world_size(group) == 1:
         return tensor
-    padded = padded_numel(tensor.numel(), world, block)
-    source = tensor.detach().float()
-    if padded != tensor.numel():
-        source = torch.cat([source, source.new_zeros(padded - tensor.numel())])
-    mine = quantize(source, block, counts)
-    # reduce-scatter phase: chunk r of every rank's payload and exponents to rank r
-    payload = torch.empty_like(mine.payload)
-    exponents = torch.empty_like(mine.exponents)
-    dist.all_to_all_single(payload, mine.payload, group=group)
-    dist.all_to_all_single(exponents, mine.exponents, group=group)
-    chunk = padded // world
-    received = dequantize(Quantized(payload, exponents, block)).view(world, chunk)
-    summed = received.sum(dim=0)
-    # all-gather phase: every rank's summed chunk, quantized once by its owner
-    reduced = quantize(summed, block, counts)
-    gathered_payload = torch.empty_like(mine.payload)
-    gathered_exponents = torch.empty_like(mine.exponents)
-    _all_gather(gathered_payload, reduced.payload, rank, world, group)
-    _all_gather(gathered_exponents, reduced.exponents, rank, world, group)
-    result = dequantize(Quantized(gathered_payload, gathered_exponents, block))
-    tensor.copy_(result[: tensor.numel()].to(tensor.dtype))
+    fp8 = Fp8Sum(block=block, error_feedback=False, error_bound=float("inf"))
+    result = fp8.run(tensor, group)
+    if counts is not None:
+        counts.add(fp8.stats().counts)
+    tensor.copy_(result[: tensor.numel()].view_as(tensor).to(tensor.dtype))
     return tensor
 
 
@@ -186,3 +383,109 @@ def _all_gather(
     ]
     for work in works:
         work.wait()  # type: ignore[union-attr]
+
+
+class Fp8Scatter:
+    """The fp8 reduce-scatter of one buffer, step after step, with error feedback: the
+    first phase of :class:`Fp8Sum` alone (ZeRO-3's gradient reduce-scatter).
+
+    :meth:`start` quantizes the buffer (``P`` equal slots, each padded to whole blocks;
+    plus the residual), starts the ``all_to_all`` of payload and exponents and returns
+    the work and a function giving this rank's slot of the sum (dequantized, summed in
+    fp32). A rank that flags the buffer puts a NaN into every slot, so every rank's
+    result is non-finite in the same step. An input is also flagged past
+    ``float32 max / P``, where the sum could overflow on one rank only.
+    """
+
+    def __init__(
+        self,
+        *,
+        block: int = BLOCK,
+        error_feedback: bool = True,
+        error_bound: float = 0.1,
+        overflow_at: float = float("inf"),
+        launcher: KernelLauncher | None = None,
+    ) -> None:
+        self._sum = Fp8Sum(
+            block=block,
+            error_feedback=error_feedback,
+            error_bound=error_bound,
+            overflow_at=overflow_at,
+            launcher=launcher,
+        )
+
+    @staticmethod
+    def residual_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
+        """fp32 bytes of the residual of a buffer of ``numel`` elements (whole slots)."""
+        return 4 * world_size * -(-numel // (world_size * block)) * block
+
+    def residual_nbytes(self) -> int:
+        """Bytes of the residual held now."""
+        return self._sum.residual_nbytes()
+
+    def start(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> tuple[Any, Callable[[], torch.Tensor]]:
+        """Start summing the ``P`` slots of the 1-D ``tensor`` over ``group``; returns the
+        work and a function giving this rank's summed slot (fp32, ``numel / P``)."""
+        fp8 = self._sum
+        world = dist.get_world_size(group)
+        slot = tensor.numel() // world
+        padded_slot = -(-slot // fp8.block) * fp8.block
+        source = torch.zeros(world, padded_slot, dtype=torch.float32, device=tensor.device)
+        source[:, :slot].copy_(tensor.detach().view(world, slot))
+        flat = source.view(-1)
+        residual = fp8.slot_residual(flat) if fp8.error_feedback else None
+        bound = min(fp8.overflow_at, torch.finfo(torch.float32).max / world)
+        mine = fp8.quantize_side(flat, residual, bound)
+        payload = mine.q.payload.view(world, padded_slot)
+        payload[:, 0] = torch.where(mine.flag, NAN_BITS, payload[:, 0])  # every slot
+        fp8.last = (mine, None)  # the reduce-scatter has no second quantization
+        received = torch.empty_like(mine.q.payload)
+        exponents = torch.empty_like(mine.q.exponents)
+        works = AllWorks(
+            [
+                dist.all_to_all_single(received, mine.q.payload, group=group, async_op=True),
+                dist.all_to_all_single(exponents, mine.q.exponents, group=group, async_op=True),
+            ]
+        )
+
+        def summed() -> torch.Tensor:
+            q = Quantized(received, exponents, fp8.block)
+            values = dequantize(q, launcher=fp8.launcher).view(world, padded_slot)
+            return values.sum(dim=0)[:slot]
+
+        return works, summed
+
+    def stats(self) -> Fp8Stats:
+        """What the last :meth:`start` saw on this rank."""
+        return self._sum.stats()
+
+    def commit(self, ok: bool) -> None:
+        """Keep (``ok``) or drop the last call's residual."""
+        self._sum.commit(ok)
+
+
+class Fp8Channel:
+    """Where a group's two-phase sums run: a process group of their own over ``ranks``
+    (the sums are several collectives each, issued apart from the bucket all-reduces)
+    and, on gloo, one thread that issues them in submission order on every rank."""
+
+    def __init__(self, ranks: Sequence[int], pg_backend: str) -> None:
+        whole_job = len(ranks) == dist.get_world_size()
+        self.group = dist.new_group(list(ranks), use_local_synchronization=not whole_job)
+        self.worker = SerialWorker("lamina-fp8") if pg_backend == "gloo" else None
+
+    def submit(self, run: Callable[[], None]) -> Any:
+        """Run ``run`` (on the worker thread on gloo, else now, in stream order); returns a
+        work to wait on."""
+        if self.worker is not None:
+            return self.worker.submit(run)
+        run()
+        return AllWorks([])
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

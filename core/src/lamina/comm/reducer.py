@@ -14,6 +14,12 @@ The strategy names each bucket's collective after its execution-plan node, gives
 bucket its all-reduce algorithm (:mod:`lamina.comm.algorithms`; ``flat`` is the group's
 own all-reduce) and may give a bucket a :class:`~lamina.comm.codecs.Codec`; an
 ``observer`` (the run log) hears every collective issued and every codec fallback taken.
+
+A two-phase codec (``fp8``) sums its bucket with :class:`~lamina.comm.fp8.Fp8Sum`: over
+the whole group on the :class:`~lamina.comm.fp8.Fp8Channel` (scope ``all``), or inside
+the hierarchical algorithm's inter-host phase only (scope ``inter``). The result is
+used when it decodes finite; otherwise (a rank flagged the bucket, the same bits on
+every rank) the bucket is reduced exactly that step, with no extra collective to agree.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from torch import nn
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
-from lamina.comm.codecs import Codec
+from lamina.comm.codecs import Codec, Fp8Codec
+from lamina.comm.fp8 import Fp8Channel, Fp8Stats, Fp8Sum, quantized_bytes
 from lamina.device.handle import DeviceHandle, Stream
 from lamina.errors import NotSupportedError
 
@@ -52,6 +59,12 @@ class _BucketState:
     chunks: int = 1
     work: Any = None
     wire: torch.Tensor | None = None
+    #: two-phase codec: the sums (one per pipeline chunk), its scope, the pending
+    #: result and the trace handle its statistics go to
+    fp8: list[Fp8Sum] = field(default_factory=list)
+    scope: str = "all"
+    result: torch.Tensor | None = None
+    trace: Any = None
 
 
 class CommObserver(Protocol):
@@ -111,6 +124,8 @@ class GradientReducer:
         observer: CommObserver | None = None,
         algorithms: dict[int, tuple[str, int]] | None = None,
         algorithm_groups: AlgorithmGroups | None = None,
+        codec_scope: str = "all",
+        fp8_channel: Fp8Channel | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
@@ -127,7 +142,10 @@ class GradientReducer:
             state.algorithm, state.chunks = (algorithms or {}).get(index, ("flat", 1))
             if state.algorithm != "flat" and algorithm_groups is None:
                 raise ValueError(f"bucket {index} runs {state.algorithm!r}: pass algorithm_groups")
+            if isinstance(state.codec, Fp8Codec):
+                self._plan_fp8(state, codec_scope, fp8_channel)
         self._algorithms = algorithm_groups
+        self._fp8_channel = fp8_channel
         self._where: dict[nn.Parameter, tuple[_BucketState, int]] = {}
         for state in self._buckets:
             for k, param in enumerate(state.params):
@@ -141,6 +159,23 @@ class GradientReducer:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
             for param in self._where
         ]
+
+    @staticmethod
+    def _plan_fp8(state: _BucketState, scope: str, channel: Fp8Channel | None) -> None:
+        codec = state.codec
+        assert isinstance(codec, Fp8Codec)
+        state.scope = scope
+        if scope == "inter":
+            if state.algorithm not in ("hierarchical", "pipelined"):
+                raise ValueError(
+                    f"bucket {state.plan.index}: codec_scope='inter' needs an "
+                    f"inter-host phase, its algorithm is {state.algorithm!r}"
+                )
+            state.fp8 = [codec.new_sum() for _ in range(max(1, state.chunks))]
+            return
+        if channel is None:
+            raise ValueError(f"bucket {state.plan.index} is summed in fp8: pass fp8_channel")
+        state.algorithm, state.fp8 = "flat", [codec.new_sum()]
 
     @staticmethod
     def _allocate(bucket: Bucket, named_params: dict[str, nn.Parameter]) -> _BucketState:
@@ -206,10 +241,13 @@ class GradientReducer:
             for k, view in enumerate(state.views):
                 if k not in state.divided:
                     view.div_(self.world_size)
+        if state.fp8:
+            self._issue_fp8(state)
+            return
         payload = state.buffer
         if state.codec is not None:
             payload = state.wire = state.codec.encode(state.buffer)
-        with self._traced(state.node, payload) as handle:
+        with self._traced(state.node, _nbytes(payload)) as handle:
             if state.algorithm == "flat" or self._algorithms is None:
                 state.work = dist.all_reduce(payload, group=self.group, async_op=True)
             else:
@@ -217,15 +255,77 @@ class GradientReducer:
             if handle is not None:
                 handle.work = state.work
 
-    def _traced(self, node: str, payload: torch.Tensor) -> AbstractContextManager[Any]:
+    def _issue_fp8(self, state: _BucketState) -> None:
+        """Start the bucket's two-phase sum (see the module docstring)."""
+        buffer, sums = state.buffer, state.fp8
+        if state.scope == "inter":
+            assert self._algorithms is not None
+            result = state.result = buffer.clone()  # the bucket stays for a fallback
+
+            def inter_sum(k: int, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+                shard.copy_(sums[k].run(shard, group)[: shard.numel()])
+
+            with self._traced(state.node, _nbytes(buffer)) as handle:
+                state.work = self._algorithms.all_reduce(
+                    state.algorithm, result, state.chunks, inter_sum
+                )
+                state.trace = handle.event if handle is not None else None
+                if handle is not None:
+                    handle.work = state.work
+            return
+        assert self._fp8_channel is not None
+        group = self._fp8_channel.group
+
+        def run() -> None:
+            state.result = sums[0].run(buffer, group)
+
+        with self._traced(state.node, quantized_bytes(buffer.numel(), self.world_size)) as handle:
+            state.work = self._fp8_channel.submit(run)
+            state.trace = handle.event if handle is not None else None
+            if handle is not None:
+                handle.work = state.work
+
+    def _traced(self, node: str, nbytes: int) -> AbstractContextManager[Any]:
         if self.observer is None:
             return nullcontext(None)
-        return self.observer.collective(node, payload.numel() * payload.element_size())
+        return self.observer.collective(node, nbytes)
+
+    def _complete_fp8(self, state: _BucketState) -> None:
+        """Use the two-phase sum when it decoded finite, else reduce the bucket exactly
+        (every rank decoded the same bits, so every rank decides the same way)."""
+        result, state.result = state.result, None
+        assert result is not None and isinstance(state.codec, Fp8Codec)
+        ok = bool(torch.isfinite(result).all())
+        for fp8 in state.fp8:
+            fp8.commit(ok)
+        event, state.trace = state.trace, None
+        if ok and event is None:  # statistics wait for the device: only when wanted
+            state.buffer.copy_(result[: state.buffer.numel()])
+            return
+        stats = _merged([fp8.stats() for fp8 in state.fp8])
+        if event is not None:
+            event.codec = {**stats.as_dict(), "scope": state.scope, "used": ok}
+        if ok:
+            state.buffer.copy_(result[: state.buffer.numel()])
+            return
+        self.stats.codec_fallbacks += 1
+        fallback = state.codec.fallback
+        if self.observer is not None:
+            why = stats.flagged or "another rank flagged it (or the sum is not finite)"
+            self.observer.fallback(state.node, fallback, f"fp8 sum not used: {why}")
+        payload = state.buffer if fallback == "fp32" else state.buffer.to(torch.bfloat16)
+        with self._traced(state.node, _nbytes(payload)):  # still holds this rank's share
+            dist.all_reduce(payload, group=self.group)
+        if payload is not state.buffer:
+            state.buffer.copy_(payload)
 
     def _complete(self, state: _BucketState) -> None:
         """Wait for the bucket; decode a compressed one (resent uncompressed on overflow)."""
         state.work.wait()
         state.work = None
+        if state.fp8 and self.world_size > 1:
+            self._complete_fp8(state)
+            return
         wire, state.wire = state.wire, None
         if wire is None or state.codec is None:
             return
@@ -239,7 +339,7 @@ class GradientReducer:
                 "uncompressed",
                 f"codec {state.codec.name} overflowed: resent uncompressed",
             )
-        with self._traced(state.node, state.buffer):  # still holds this rank's mean share
+        with self._traced(state.node, _nbytes(state.buffer)):  # still this rank's share
             dist.all_reduce(state.buffer, group=self.group)
 
     def _finish_backward(self) -> None:
@@ -291,7 +391,7 @@ class GradientReducer:
             for p in self._stray
         ]
         buffer = torch.cat([*grads, flags]).div_(self.world_size)
-        with self._traced(self._excluded_node, buffer):
+        with self._traced(self._excluded_node, _nbytes(buffer)):
             dist.all_reduce(buffer, group=self.group)
         used = buffer[-len(self._stray) :].tolist()
         offset = 0
@@ -316,13 +416,19 @@ class GradientReducer:
         finally:
             self.sync_enabled = previous
 
+    def residual_bytes(self) -> int:
+        """Bytes the two-phase codecs' error feedback holds now, on this rank."""
+        return sum(fp8.residual_nbytes() for state in self._buckets for fp8 in state.fp8)
+
     def remove(self) -> None:
-        """Detach the hooks (and stop the algorithms' worker thread)."""
+        """Detach the hooks (and stop the worker threads)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         if self._algorithms is not None:
             self._algorithms.close()
+        if self._fp8_channel is not None:
+            self._fp8_channel.close()
 
 
 def _comm_stream(handle: DeviceHandle | None) -> Stream | None:
@@ -333,6 +439,21 @@ def _comm_stream(handle: DeviceHandle | None) -> Stream | None:
         return handle.new_stream()
     except NotSupportedError:
         return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _merged(stats: list[Fp8Stats]) -> Fp8Stats:
+    """One bucket's statistics over its sums (the chunks of a pipelined bucket)."""
+    out = Fp8Stats()
+    for one in stats:
+        out.counts.add(one.counts)
+        out.error_in = max(out.error_in, one.error_in)
+        out.error_out = max(out.error_out, one.error_out)
+        out.flagged = out.flagged or one.flagged
+    return out
 
 
 class _Done:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lamina.device.handle import DeviceHandle, Stream
+from lamina.memory.compressed import GradientCodec, exact_all_reduce, usable
 from lamina.memory.gather import (
     Primitive,
     gather_full,
@@ -63,6 +64,9 @@ class GatherObserver(Protocol):
 
     def end_backward(self) -> None:
         """Backward's computation ended."""
+
+    def fallback(self, node_id: str, alternative: str, reason: str) -> object:
+        """Plan node ``node_id`` switched to ``alternative`` at run time."""
 
 
 #: Makes a parameter's gradient from a local tensor (the wrapper builds the DTensor).
@@ -119,6 +123,12 @@ class UnitState:
     #: Names of the unit's frozen parameters (``requires_grad=False``): gathered for the
     #: forward, never given a gradient.
     frozen: frozenset[str] = frozenset()
+    #: The compressed reduction of the gradient's ``codec_role`` collective ("scatter"
+    #: or "replicate", :mod:`lamina.memory.compressed`), when the plan gives one, and
+    #: the trace record its statistics go to.
+    codec: GradientCodec | None = None
+    codec_role: str = "scatter"
+    codec_trace: Any = None
 
     @property
     def anchor(self) -> torch.Tensor:
@@ -234,7 +244,10 @@ class UnitState:
         primitive = self.scatter_primitive or self.primitive
         _ready_for_comm(streams)
         with _on(streams), self.traced("scatter") as handle:
-            if self.hierarchy is not None:
+            if self.codec is not None and self.codec_role == "scatter":
+                work, result = self.codec.start_scatter(scatter_in, self.group)
+                self.codec_trace = handle.event if handle is not None else None
+            elif self.hierarchy is not None:
                 work, result = self.hierarchy.reduce_scatter_start(scatter_in)
             else:
                 work, result = reduce_scatter_start(
@@ -264,10 +277,64 @@ class UnitState:
             work.wait()
         _wait_comm(streams)
         shard_grad: torch.Tensor = result()  # the mean over the shard group
+        if self.codec is not None and self.codec_role == "scatter":
+            shard_grad = self._checked_scatter(shard_grad, _scatter_in, streams)
         if self.replicas > 1:  # HSDP: the same shard on every replica, averaged across them
             shard_grad.div_(self.replicas)
-            with self.traced("replicate"):
+            self._replicate(shard_grad)
+        self._set_grads(shard_grad)
+
+    def _checked_scatter(
+        self, summed: torch.Tensor, scatter_in: torch.Tensor, streams: CommStreams | None
+    ) -> torch.Tensor:
+        """The mean from the codec's sum, or, where some rank flagged it (every rank of
+        the group sees a non-finite sum), from the exact reduce-scatter redone now."""
+        assert self.codec is not None
+        world = self.layout.world_size
+        if self._codec_result(usable(summed), "scatter"):
+            return summed.div_(world)
+        wire = scatter_in if self.codec.fallback == "fp32" else scatter_in.to(torch.bfloat16)
+        primitive = self.scatter_primitive or self.primitive
+        with _on(streams), self.traced("scatter"):
+            work, result = reduce_scatter_start(wire, self.rank, world, primitive, self.group)
+            if work is not None:
+                work.wait()
+        _wait_comm(streams)
+        return result().to(self.shard.dtype)
+
+    def _replicate(self, shard_grad: torch.Tensor) -> None:
+        """Sum the (pre-averaged) shard gradient across the replicas, in place."""
+        codec = self.codec if self.codec_role == "replicate" else None
+        with self.traced("replicate") as handle:
+            if codec is None:
                 dist.all_reduce(shard_grad, group=self.replicate_group)
+                return
+            summed = codec.all_reduce(shard_grad, self.replicate_group)
+            self.codec_trace = handle.event if handle is not None else None
+        if self._codec_result(usable(summed), "replicate"):
+            shard_grad.copy_(summed[: shard_grad.numel()])
+            return
+        with self.traced("replicate"):
+            exact_all_reduce(shard_grad, self.replicate_group, codec.fallback)
+
+    def _codec_result(self, ok: bool, role: str) -> bool:
+        """Record the codec's step (residuals, trace, a fallback taken); returns ``ok``."""
+        assert self.codec is not None
+        self.codec.commit(ok)
+        event, self.codec_trace = self.codec_trace, None
+        if ok and event is None:  # statistics wait for the device: only when wanted
+            return ok
+        stats = self.codec.stats()
+        if event is not None:
+            event.codec = {**stats, "role": role, "used": ok}
+        if not ok and self.observer is not None:
+            why = stats.get("flagged") or "another rank flagged it (or the sum is not finite)"
+            node = self.nodes.get(role, f"{self.layout.name}.{role}")
+            self.observer.fallback(node, self.codec.fallback, f"fp8 sum not used: {why}")
+        return ok
+
+    def _set_grads(self, shard_grad: torch.Tensor) -> None:
+        """Give every parameter some rank used its shard of ``shard_grad``."""
         layout = self.layout
         flags = shard_grad[layout.flag_offset : layout.flag_offset + len(layout.params)]
         used = (flags > 0).tolist()

@@ -61,6 +61,7 @@ def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
         )
     lines += _table(seq_rows) if collectives else ["  (none: one rank)"]
     lines += _algorithm_lines(plan)
+    lines += _codec_lines(plan)
     lines += ["", "fallbacks (declared on the plan; identical ones on several nodes grouped)"]
     if plan.fallbacks:
         groups: dict[tuple[str, ...], list[str]] = {}
@@ -101,4 +102,20 @@ def _algorithm_lines(plan: ExecutionPlan) -> list[str]:
         chunks = int(node.attr("chunks", "1"))
         pick = node.attr("algorithm") + (f" x{chunks} chunks" if chunks > 1 else "")
         rows.append((node.id, format_bytes(node.collective.nbytes), pick, node.attr("predicted")))
+    return lines + _table(rows)
+
+
+def _codec_lines(plan: ExecutionPlan) -> list[str]:
+    """The two-phase codec's buckets: where it compresses and the error-feedback memory
+    each holds (per rank)."""
+    compressed = [n for n in plan.collectives() if n.attr("codec_scope")]
+    if not compressed:
+        return []
+    total = sum(int(n.attr("residual_bytes", "0")) for n in compressed)
+    lines = ["", f"gradient codec (error feedback holds {format_bytes(total)} per rank)"]
+    rows: list[tuple[str, ...]] = [("node", "codec", "scope", "error feedback", "residuals")]
+    for node in compressed:
+        feedback = "on" if node.attr("error_feedback") == "True" else "off"
+        residual = format_bytes(int(node.attr("residual_bytes", "0")))
+        rows.append((node.id, node.attr("codec"), node.attr("codec_scope"), feedback, residual))
     return lines + _table(rows)

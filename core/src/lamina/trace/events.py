@@ -52,6 +52,8 @@ class CollectiveEvent:
     issue_ns: int
     end_ns: int | None = None
     source: str = "lamina"
+    #: a compressed collective's statistics (fp8: counts, errors, whether it was used)
+    codec: dict[str, Any] | None = None
 
     @property
     def seconds(self) -> float | None:

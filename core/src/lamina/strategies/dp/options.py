@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lamina.comm.codecs import Codec, get_codec
+from lamina.comm.codecs import CODEC_SCOPES, Codec, get_codec
 from lamina.comm.cost import ALGORITHM_OPTIONS
 from lamina.errors import ConfigError
 from lamina.graph import CAPTURE_METHODS
@@ -23,8 +23,11 @@ class DataParallelOptions(StrategyOptions):
     ride with a neighbour, the rest in about 8 buckets so that communication overlaps
     backward); a number fixes the cap. ``first_bucket_mb=None`` is DDP's 1 MiB first
     bucket, which still takes the latency floor; a number fixes it. ``codec``
-    (``"bf16"``, ``"fp16"`` or a :class:`~lamina.comm.codecs.Codec`) compresses fp32
-    buckets on the wire; ``compile`` (``True`` or a ``torch.compile`` backend name) runs
+    (``"bf16"``, ``"fp16"``, ``"fp8"`` or a :class:`~lamina.comm.codecs.Codec` such as
+    ``Fp8Codec(error_feedback=False)``) compresses fp32 buckets on the wire; fp8 sums in
+    two phases with error feedback, over the whole group (``codec_scope="all"``) or
+    only in the hierarchical algorithm's inter-host phase (``"inter"``: the reductions
+    inside a host stay exact); ``compile`` (``True`` or a ``torch.compile`` backend name) runs
     the forward compiled;
     ``capture_methods`` limits the graph capture paths; ``strict`` refuses parameters the
     captured forward does not use. ``algorithm`` is the all-reduce algorithm of every
@@ -44,6 +47,7 @@ class DataParallelOptions(StrategyOptions):
     compile: bool | str = False
     capture_methods: tuple[str, ...] = CAPTURE_METHODS
     algorithm: str = "auto"
+    codec_scope: str = "all"
 
     def __post_init__(self) -> None:
         cap, first = self.bucket_cap_mb, self.first_bucket_mb
@@ -66,5 +70,20 @@ class DataParallelOptions(StrategyOptions):
             raise ConfigError(
                 f"algorithm={self.algorithm!r} is not one of {list(ALGORITHM_OPTIONS)}"
             )
-        get_codec(self.codec)  # a ConfigError naming an unknown codec
+        codec = get_codec(self.codec)  # a ConfigError naming an unknown codec
+        if self.codec_scope not in CODEC_SCOPES:
+            raise ConfigError(
+                f"codec_scope={self.codec_scope!r} is not one of {list(CODEC_SCOPES)}"
+            )
+        if self.codec_scope == "inter" and (codec is None or not codec.two_phase):
+            raise ConfigError(
+                "codec_scope='inter' compresses the inter-host phase of a two-phase codec; "
+                "pass codec='fp8'"
+            )
+        if self.codec_scope == "inter" and self.algorithm in ("flat", "ordered"):
+            raise ConfigError(
+                f"codec_scope='inter' needs an inter-host phase, which algorithm="
+                f"{self.algorithm!r} has not; use algorithm='auto', 'hierarchical' or "
+                "'pipelined'"
+            )
         compile_backend_of(self.compile)  # a ConfigError for a bad compile= value

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lamina.comm.buckets import BucketPlan
-from lamina.comm.codecs import Codec
+from lamina.comm.codecs import Codec, Fp8Codec
 from lamina.comm.cost import AlgorithmChoice
+from lamina.comm.fp8 import Fp8Sum
 from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
@@ -20,6 +21,7 @@ from lamina.strategies.algorithm_nodes import (
     algorithm_fallback,
     records_algorithm,
 )
+from lamina.strategies.codec_nodes import error_feedback_meta, fp8_fallback
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -54,6 +56,10 @@ class DPPlanInputs:
     algorithms: dict[int, AlgorithmChoice] | None = None
     #: One line on the cost model the choices came from.
     cost_model: str = ""
+    #: Where a two-phase codec compresses: "all" or "inter" (the inter-host phase).
+    codec_scope: str = "all"
+    #: Ranks on each host (the hierarchical algorithm's intra-host group size).
+    ranks_per_host: int = 1
 
 
 def _capture_fallbacks(graph: CapturedGraph) -> list[Fallback]:
@@ -73,15 +79,74 @@ def _capture_fallbacks(graph: CapturedGraph) -> list[Fallback]:
     return out
 
 
+INTER_PHASE = ("hierarchical", "pipelined")
+
+
+def _codec_applies(inputs: DPPlanInputs, dtype: str, choice: AlgorithmChoice | None) -> str:
+    """'' when the codec compresses a bucket of ``dtype`` with ``choice``; else why not
+    ('-' when the codec never applied: no codec, or a dtype it does not narrow)."""
+    codec = inputs.codec
+    if codec is None or not codec.applies_to(dtype_from_name(dtype)):
+        return "-"
+    if inputs.codec_scope == "inter" and (choice is None or choice.algorithm not in INTER_PHASE):
+        algorithm = choice.algorithm if choice is not None else "flat"
+        return f"codec_scope='inter': the bucket's {algorithm} all-reduce has no inter-host phase"
+    return (inputs.codec_checks or {}).get(dtype, "")
+
+
+def _codec_attrs(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> dict[str, object]:
+    """The bucket node's codec attributes; fp8's error-feedback memory among them."""
+    if wire is None:
+        return {"codec": "none"}
+    if not isinstance(wire, Fp8Codec):
+        return {"codec": wire.name}
+    residual = 0
+    if wire.error_feedback:
+        if inputs.codec_scope == "inter":  # the 1/L shard, summed over the hosts
+            hosts = len(inputs.group) // inputs.ranks_per_host
+            shard = -(-numel // inputs.ranks_per_host)
+            residual = Fp8Sum.residual_bytes(shard, hosts, wire.block)
+        else:
+            residual = Fp8Sum.residual_bytes(numel, len(inputs.group), wire.block)
+    return {
+        "codec": wire.name,
+        "codec_scope": inputs.codec_scope,
+        "error_feedback": wire.error_feedback,
+        "residual_bytes": residual,
+    }
+
+
+def _codec_fallbacks(node_id: str, codec: Codec, failed: str) -> list[Fallback]:
+    plan_time = Fallback(
+        node_id,
+        f"codec:{codec.name}",
+        "uncompressed",
+        "the codec fails its self-check while planning, or cannot apply to the bucket",
+        taken=bool(failed),
+        reason=failed,
+    )
+    if failed:
+        return [plan_time]
+    if isinstance(codec, Fp8Codec):
+        run_time = fp8_fallback(node_id, codec)
+    else:
+        run_time = Fallback(
+            node_id,
+            f"codec:{codec.name}",
+            "uncompressed",
+            "the decoded reduction is not finite (overflow): resent uncompressed",
+            when="run",
+        )
+    return [plan_time, run_time]
+
+
 def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]:
     nodes, fallbacks = [], []
-    checks = inputs.codec_checks or {}
     for bucket in inputs.buckets.buckets:
         node_id = bucket_node(bucket.index)
-        codec = inputs.codec
-        applies = codec is not None and codec.applies_to(dtype_from_name(bucket.dtype))
-        failed = checks.get(bucket.dtype, "") if applies else ""
-        wire = codec if applies and not failed else None
+        choice = (inputs.algorithms or {}).get(bucket.index)
+        failed = _codec_applies(inputs, bucket.dtype, choice)
+        wire = inputs.codec if not failed else None
         spec = CollectiveSpec(
             op="all_reduce",
             dtype=bucket.dtype,
@@ -93,8 +158,9 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
             axis=inputs.axis,
         )
         names = bucket.param_names
-        choice = (inputs.algorithms or {}).get(bucket.index)
         how = f", {choice.algorithm}" if choice is not None and choice.algorithm != "flat" else ""
+        if isinstance(wire, Fp8Codec):
+            how += ", fp8 two-phase" + (" between hosts" if inputs.codec_scope == "inter" else "")
         nodes.append(
             PlanNode(
                 node_id,
@@ -105,34 +171,15 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                 attrs(
                     bucket=bucket.index,
                     params=len(names),
-                    codec=wire.name if wire else "none",
+                    **_codec_attrs(inputs, bucket.numel, wire),
                     **algorithm_attrs(choice),
                 ),
             )
         )
         if choice is not None and records_algorithm(choice):
             fallbacks.append(algorithm_fallback(node_id, choice))
-        if applies and codec is not None:
-            fallbacks.append(
-                Fallback(
-                    node_id,
-                    f"codec:{codec.name}",
-                    "uncompressed",
-                    "the codec fails its self-check while planning",
-                    taken=bool(failed),
-                    reason=failed,
-                )
-            )
-            if not failed:
-                fallbacks.append(
-                    Fallback(
-                        node_id,
-                        f"codec:{codec.name}",
-                        "uncompressed",
-                        "the decoded reduction is not finite (overflow): resent uncompressed",
-                        when="run",
-                    )
-                )
+        if inputs.codec is not None and failed != "-":
+            fallbacks.extend(_codec_fallbacks(node_id, inputs.codec, failed))
     return nodes, fallbacks
 
 
@@ -187,6 +234,7 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
         alignment_bytes=inputs.buckets.alignment_bytes,
         pg_backend=inputs.pg_backend,
         codec=inputs.codec.name if inputs.codec else "none",
+        **error_feedback_meta(nodes),
         **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),
     )
     return ExecutionPlan(

@@ -27,7 +27,7 @@ from lamina.comm.buckets import (
     plan_buckets,
     ring_all_reduce_cost,
 )
-from lamina.comm.codecs import Codec, get_codec, self_check
+from lamina.comm.codecs import Codec, Fp8Codec, get_codec, self_check
 from lamina.comm.cost import (
     ALGORITHMS,
     AlgorithmChoice,
@@ -35,6 +35,7 @@ from lamina.comm.cost import (
     choose_algorithm,
     unavailable_algorithms,
 )
+from lamina.comm.fp8 import Fp8Channel
 from lamina.comm.reducer import GradientReducer
 from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph, capture
@@ -89,6 +90,8 @@ class DataParallel(nn.Module):
         first = options.first_bucket_mb
         self._first_bytes = None if first is None else int(first * MIB)
         self._codec = get_codec(options.codec)
+        if isinstance(self._codec, Fp8Codec) and self._codec.launcher is None:
+            self._codec = self._codec.with_launcher(runtime.kernels)  # the backend's kernels
         self._compile_backend = compile_backend_of(options.compile)
         self._source = self._ranks[0]
         self.graph: CapturedGraph | None = None
@@ -155,6 +158,8 @@ class DataParallel(nn.Module):
             observer=self.run_log,
             algorithms=self._bucket_algorithms(execution),
             algorithm_groups=self.algorithm_groups,
+            codec_scope=self.options.codec_scope,
+            fp8_channel=self._fp8_channel(execution),
         )
         if self._compile_backend is not None:
             self._forward = CompiledForward(
@@ -186,6 +191,8 @@ class DataParallel(nn.Module):
                 axis=self._axis,
                 algorithms=self._choices,
                 cost_model=self._cost_model.describe() if self._cost_model else "",
+                codec_scope=self.options.codec_scope,
+                ranks_per_host=self._cost_model.layout.per_host if self._cost_model else 1,
             )
         )
 
@@ -213,10 +220,33 @@ class DataParallel(nn.Module):
         if len(self._ranks) == 1 or model is None:
             return {}
         unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
-        return {
-            b.index: choose_algorithm(model, b.nbytes, self.options.algorithm, unavailable)
-            for b in buckets.buckets
-        }
+        requested = self.options.algorithm
+        choices = {}
+        for b in buckets.buckets:
+            excluded = unavailable
+            if self._two_phase(b.dtype):
+                if self.options.codec_scope == "all":
+                    continue  # the two-phase sum over the whole group is its algorithm
+                if "hierarchical" not in unavailable:  # "inter": keep an inter-host phase
+                    why = "codec_scope='inter' compresses an inter-host phase"
+                    excluded = {**unavailable, "flat": why, "ordered": why}
+            choices[b.index] = choose_algorithm(model, b.nbytes, requested, excluded)
+        return choices
+
+    def _two_phase(self, dtype: str) -> bool:
+        """Whether the codec sums buckets of ``dtype`` in two phases."""
+        codec = self._codec
+        return codec is not None and codec.two_phase and codec.applies_to(getattr(torch, dtype))
+
+    def _fp8_channel(self, execution: ExecutionPlan) -> Fp8Channel | None:
+        """The process group (and gloo thread) of the fp8 sums over the whole group, when
+        the plan has any (built after pre-flight agreed on the plan, like the groups of
+        the algorithms)."""
+        if self.options.codec_scope != "all" or execution.world_size == 1:
+            return None
+        if not any(n.attr("codec") == "fp8" for n in execution.collectives()):
+            return None
+        return Fp8Channel(self._ranks, self._pg_backend())
 
     def _pg_backend(self) -> str:
         return str(dist.get_backend(self.group))

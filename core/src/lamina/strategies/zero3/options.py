@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.comm.codecs import Codec
 from lamina.comm.cost import SHARDED_OPTIONS
 from lamina.errors import ConfigError
 from lamina.runtime.primitives import PRIMITIVE_MODES, REPLACEABLE
 from lamina.strategies.contract import StrategyOptions
+from lamina.strategies.zero3.fp8_units import sharded_codec
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,10 @@ class Zero3Options(StrategyOptions):
     cross the hosts: ``"flat"`` (the primitives above on the shard group),
     ``"hierarchical"`` (inside each host, then across hosts: only ``1/L`` of the buffer
     leaves a host of ``L`` ranks) or ``"auto"`` (the cost model's pick per unit, from
-    the topology's links; flat on one host).
+    the topology's links; flat on one host). ``codec="fp8"`` (or an
+    :class:`~lamina.comm.codecs.Fp8Codec`) sends gradients in e4m3 with error feedback:
+    ZeRO-3's reduce-scatter (then over the flat shard group), HSDP's all-reduce across
+    the replicas (the slow links; the reduce-scatter inside a domain stays exact).
     """
 
     alignment_bytes: int = 512
@@ -41,6 +46,7 @@ class Zero3Options(StrategyOptions):
     collectives: str = "auto"
     disable_collectives: tuple[str, ...] = ()
     algorithm: str = "auto"
+    codec: str | Codec | None = None
 
     def __post_init__(self) -> None:
         for name in ("alignment_bytes", "min_unit_numel"):
@@ -66,3 +72,4 @@ class Zero3Options(StrategyOptions):
             )
         if self.algorithm not in SHARDED_OPTIONS:
             raise ConfigError(f"algorithm={self.algorithm!r} is not one of {list(SHARDED_OPTIONS)}")
+        sharded_codec(self.codec)  # a ConfigError for a codec the sharded strategies lack

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lamina.comm.codecs import Fp8Codec
 from lamina.comm.cost import AlgorithmChoice
+from lamina.comm.fp8 import Fp8Scatter, Fp8Sum
 from lamina.dtypes import dtype_from_name
 from lamina.memory.layout import ShardLayout, UnitLayout
 from lamina.runtime.broadcasts import broadcast_nodes
@@ -21,6 +23,7 @@ from lamina.strategies.algorithm_nodes import (
     algorithm_fallback,
     records_algorithm,
 )
+from lamina.strategies.codec_nodes import error_feedback_meta, fp8_fallback
 
 OPTIMIZER = "optimizer"
 
@@ -80,6 +83,15 @@ class Zero3PlanInputs:
     #: the cost model that chose them.
     algorithms: Mapping[str, AlgorithmChoice] | None = None
     cost_model: str = ""
+    #: fp8 for the gradient: ZeRO-3's reduce-scatter, or HSDP's replica all-reduce.
+    codec: Fp8Codec | None = None
+
+    def codec_role(self) -> str:
+        """Which gradient collective the codec compresses ('' without one)."""
+        replicas = len(self.groups.replicate)
+        if self.codec is None or len(self.groups.shard) * max(1, replicas) == 1:
+            return ""
+        return "replicate" if len(self.groups.replicate) > 1 else "scatter"
 
     def algorithm_of(self, unit: str) -> AlgorithmChoice | None:
         """The algorithm choice of ``unit`` (None: flat, nothing chosen)."""
@@ -101,26 +113,49 @@ def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
 
 def _scatter_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     groups = inputs.groups
+    fp8 = inputs.codec_role() == "scatter"
     return CollectiveSpec(
-        inputs.scatter.op,
+        "all_to_all" if fp8 else inputs.scatter.op,
         unit.dtype,
         unit.total_numel,
         unit.element_size,
         groups.shard,
+        wire_dtype="float8_e4m3fn" if fp8 else None,
+        wire_element_size=1 if fp8 else None,
         axis=groups.shard_axis,
     )
 
 
 def _replicate_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     groups = inputs.groups
+    fp8 = inputs.codec_role() == "replicate"
     return CollectiveSpec(
         "all_reduce",
         unit.dtype,
         unit.shard_numel,
         unit.element_size,
         groups.replicate,
+        wire_dtype="float8_e4m3fn" if fp8 else None,
+        wire_element_size=1 if fp8 else None,
         axis=groups.replicate_axis,
     )
+
+
+def _codec_attrs(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> dict[str, object]:
+    """The codec attributes of ``unit``'s ``role`` collective (none when not compressed)."""
+    codec = inputs.codec
+    if codec is None or inputs.codec_role() != role:
+        return {}
+    if role == "scatter":
+        residual = Fp8Scatter.residual_bytes(unit.total_numel, len(inputs.groups.shard))
+    else:
+        residual = Fp8Sum.residual_bytes(unit.shard_numel, len(inputs.groups.replicate))
+    return {
+        "codec": codec.name,
+        "codec_scope": "all" if role == "scatter" else "replicas",
+        "error_feedback": codec.error_feedback,
+        "residual_bytes": residual if codec.error_feedback else 0,
+    }
 
 
 def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
@@ -172,6 +207,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                     unit=unit.name,
                     primitive=inputs.scatter.op,
                     **algorithm_attrs(inputs.algorithm_of(unit.name)),
+                    **_codec_attrs(inputs, unit, "scatter"),
                 ),
             )
         )
@@ -186,7 +222,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                     "backward",
                     f"mean of {unit.name}'s shard gradient across the replicas",
                     _replicate_spec(inputs, unit),
-                    attrs(unit=unit.name),
+                    attrs(unit=unit.name, **_codec_attrs(inputs, unit, "replicate")),
                 )
             )
             edges.append((scatter, replicate))
@@ -197,6 +233,8 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         previous = compute
     nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step on the flat shards"))
     for node in nodes:
+        if node.attr("codec") and inputs.codec is not None:
+            fallbacks.append(fp8_fallback(node.id, inputs.codec))
         if node.kind == "gather":
             fallbacks.append(_fallback(node.id, inputs.gather))
         elif node.id.endswith(".reduce_scatter"):
@@ -223,6 +261,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             shard_axis=groups.shard_axis,
             replicate_axis=groups.replicate_axis or "none",
             **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),
+            **error_feedback_meta(nodes),
         ),
     )
 
@@ -253,6 +292,14 @@ def _fallback(node_id: str, choice: PrimitiveChoice) -> Fallback:
         taken=choice.fell_back,
         reason=choice.reason,
     )
+
+
+def codec_role_of(plan: ExecutionPlan) -> str:
+    """The gradient collective the plan compresses: "scatter", "replicate" or ''."""
+    for node in plan.collectives():
+        if node.attr("codec"):
+            return "scatter" if node.id == scatter_node(str(node.attr("unit"))) else "replicate"
+    return ""
 
 
 def shard_lines(layout: ShardLayout) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lamina.comm.algorithms import AlgorithmGroups
+from lamina.comm.codecs import Fp8Codec
 from lamina.comm.cost import (
     AlgorithmChoice,
     CostModel,
@@ -45,6 +46,7 @@ from lamina.strategies.contract import PlannedStep
 from lamina.strategies.preflight import before_first_collective
 from lamina.strategies.zero3 import plan as plan_z3
 from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
+from lamina.strategies.zero3.fp8_units import Fp8UnitCodec, sharded_codec
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.verify import PreflightReport
 
@@ -226,12 +228,16 @@ def shard_module(
         everyone=tuple(range(runtime.world_size)),
         everyone_axis=mesh.axes_label(mesh.axis_names),
     )
+    codec = sharded_codec(options.codec, runtime.kernels)
     cost_model = CostModel.from_topology(runtime.topology, shard_ranks) if world > 1 else None
     choices = _choose_algorithms(layout, cost_model, group, shard_ranks, options)
+    if codec is not None and not replicas:
+        choices = {}  # ZeRO-3's fp8 reduce-scatter runs over the flat shard group
     described = cost_model.describe() if cost_model is not None and choices else ""
     plan = _build_plan(
-        module, layout, runtime, group, groups, options, strategy, choices, described
+        module, layout, runtime, group, groups, options, strategy, choices, described, codec
     )
+    codec_role = plan_z3.codec_role_of(plan)
     planned = PlannedStep(plan, (("shards", plan_z3.shard_lines(layout)),))
     preflight = before_first_collective(runtime, planned, module, verify=options.verify)
     run_log = RunLog(plan)
@@ -298,6 +304,8 @@ def shard_module(
                 replicate_group=replicate_group,
                 replicas=max(1, len(replicas)),
                 hierarchy=hierarchy if unit.name in hierarchical else None,
+                codec=Fp8UnitCodec(codec) if codec is not None and codec_role else None,
+                codec_role=codec_role or "scatter",
                 keep_for_backward=options.reshard_after_forward
                 and plan_z3.gather_node(unit.name, "bwd") not in planned_ids,
                 frozen=frozen,
@@ -424,6 +432,7 @@ def _build_plan(
     strategy: str,
     algorithms: dict[str, AlgorithmChoice],
     cost_model: str,
+    codec: Fp8Codec | None = None,
 ) -> ExecutionPlan:
     pg_backend = str(dist.get_backend(group))
     unsupported = runtime.backend.unsupported_collectives
@@ -462,6 +471,7 @@ def _build_plan(
             kept_for_backward=kept,
             algorithms=algorithms,
             cost_model=cost_model,
+            codec=codec,
         )
     )
 

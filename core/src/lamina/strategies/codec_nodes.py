@@ -1,0 +1,28 @@
+"""What a gradient codec adds to a plan, shared by the strategies: the run-time fallback
+of a compressed collective and the plan's error-feedback memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lamina.comm.codecs import Fp8Codec
+from lamina.runtime.plan import Fallback, PlanNode
+
+
+def fp8_fallback(node_id: str, codec: Fp8Codec) -> Fallback:
+    """The run-time fallback of ``node_id``'s fp8 collective to ``codec.fallback``."""
+    return Fallback(
+        node_id,
+        f"codec:{codec.name}",
+        codec.fallback,
+        "the fp8 result is not finite: a rank's input is not finite, passes overflow_at or "
+        "quantizes past error_bound (it sends a NaN every rank of the group decodes)",
+        when="run",
+    )
+
+
+def error_feedback_meta(nodes: Iterable[PlanNode]) -> dict[str, object]:
+    """The plan's error-feedback memory per rank (``residual_bytes`` of its nodes) as a
+    plan attribute, when it has any."""
+    total = sum(int(n.attr("residual_bytes", "0")) for n in nodes)
+    return {"error_feedback_bytes": total} if total else {}
