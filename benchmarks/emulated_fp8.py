@@ -6,11 +6,14 @@ correlated gradients (a shared part plus per-rank noise, as data-parallel ranks 
 is summed, interleaved round by round, by:
 
 - ``fp32``: ``dist.all_reduce`` on the job's group (gloo's ring);
-- ``fp8``: :func:`lamina.comm.fp8.all_reduce_fp8` on the same group (e4m3 payload in
-  blocks of 128 with power-of-two scales: all_to_all, fp32 sum, all-gather).
+- ``fp8``: :class:`lamina.comm.fp8.Fp8Sum` on the same group with the backend's kernels,
+  as DP runs it (e4m3 payload in blocks of 128 with power-of-two scales: all_to_all,
+  fp32 sum, all-gather).
 
 Reports the medians of the slowest rank, the ratio, the bytes each rank sends and the
-fp8 result's relative L2 and L-inf error against the exact fp32 sum. Needs root::
+fp8 result's relative L2 and L-inf error against the exact fp32 sum: of one sum, and of
+``--steps`` sums of fresh gradients accumulated (what the optimizer integrates), without
+and with error feedback. Needs root::
 
     python benchmarks/emulated_fp8.py     # writes results/emulated_fp8.json
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,7 @@ import torch.distributed as dist
 import lamina
 from _results import write_results
 from emulated_training import relaunch_emulated
-from lamina.comm.fp8 import all_reduce_fp8, wire_bytes
+from lamina.comm.fp8 import Fp8Sum, all_reduce_fp8, wire_bytes
 
 
 def slowest(seconds: float) -> float:
@@ -37,11 +41,39 @@ def slowest(seconds: float) -> float:
     return float(value.item())
 
 
+def accumulated_error(
+    rank: int, numel: int, steps: int, feedback: bool, launcher: Any
+) -> dict[str, float]:
+    """Relative L2 and L-inf error of ``steps`` fp8 sums, accumulated, against the exact
+    accumulated sum. Each step's gradients are a direction shared by the steps and the
+    ranks, plus noise of the step and of the rank (consecutive gradients correlate, as
+    in training)."""
+    fp8 = Fp8Sum(error_feedback=feedback, launcher=launcher)
+    exact_total = torch.zeros(numel)
+    fp8_total = torch.zeros(numel)
+    direction = torch.randn(numel, generator=torch.Generator().manual_seed(999))
+    for step in range(steps):
+        shared = torch.randn(numel, generator=torch.Generator().manual_seed(1000 + step))
+        noise = torch.randn(numel, generator=torch.Generator().manual_seed(rank + 7 * step))
+        grad = direction + 0.5 * shared + 0.3 * noise
+        exact = grad.clone()
+        dist.all_reduce(exact)
+        exact_total += exact
+        fp8_total += fp8.run(grad)[:numel]
+        fp8.commit(True)
+    diff = fp8_total - exact_total
+    return {
+        "relative_l2": float(diff.norm() / exact_total.norm()),
+        "relative_linf": float(diff.abs().max() / exact_total.abs().max()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", default="200mbit", help="emulated link speed (200mbit)")
     parser.add_argument("--mb", type=float, default=8.0, help="MiB of fp32 gradients (8)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (7)")
+    parser.add_argument("--steps", type=int, default=16, help="steps accumulated (16)")
     parser.add_argument("--output", default="emulated_fp8.json")
     args = parser.parse_args()
     relaunch_emulated(args.link, __file__)
@@ -58,8 +90,10 @@ def main() -> None:
     def fp32(buffer: torch.Tensor) -> None:
         dist.all_reduce(buffer)
 
+    summing = Fp8Sum(error_feedback=False, launcher=runtime.kernels)  # what DP runs
+
     def fp8(buffer: torch.Tensor) -> None:
-        all_reduce_fp8(buffer)
+        buffer.copy_(summing.run(buffer)[:numel])
 
     variants = {"fp32": fp32, "fp8": fp8}
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -82,6 +116,10 @@ def main() -> None:
         "relative_l2": float((result - exact).norm() / exact.norm()),
         "relative_linf": float((result - exact).abs().max() / exact.abs().max()),
     }
+    accumulated = {
+        name: accumulated_error(runtime.rank, numel, args.steps, feedback, runtime.kernels)
+        for name, feedback in (("without_feedback", False), ("with_feedback", True))
+    }
     medians = {name: statistics.median(v) for name, v in times.items()}
     sent = {"fp32": 2 * (world - 1) * 4 * numel // world, "fp8": wire_bytes(numel, world)}
     if runtime.is_main:
@@ -94,6 +132,11 @@ def main() -> None:
             f"{sent['fp8'] / sent['fp32']:.3f}; fp8 error L2 {error['relative_l2']:.2e}, "
             f"L-inf {error['relative_linf']:.2e}"
         )
+        for name, err in accumulated.items():
+            print(
+                f"{args.steps} steps accumulated {name.replace('_', ' ')}: L2 "
+                f"{err['relative_l2']:.2e}, L-inf {err['relative_linf']:.2e}"
+            )
         write_results(
             "emulated_fp8",
             args.output,
@@ -107,6 +150,8 @@ def main() -> None:
                 "fp8_over_fp32_time": medians["fp8"] / medians["fp32"],
                 "fp8_over_fp32_bytes": sent["fp8"] / sent["fp32"],
                 "fp8_error": error,
+                "accumulated_steps": args.steps,
+                "fp8_accumulated_error": accumulated,
             },
         )
     lamina.shutdown()

@@ -47,15 +47,21 @@ def relaunch_emulated(link: str, script: str = __file__) -> None:
     and exit."""
     if os.environ.get(INNER_ENV):
         return
+    sys.exit(run_emulated(link, script, sys.argv[1:]))
+
+
+def run_emulated(link: str, script: str, argv: list[str]) -> int:
+    """Run ``script argv`` as the job of 2 emulated hosts x 2 ranks joined by ``link``;
+    its exit status."""
     if os.geteuid() != 0:
-        sys.exit("emulated_training.py: lamina emulate needs root (network namespaces)")
+        sys.exit(f"{os.path.basename(script)}: lamina emulate needs root (network namespaces)")
     cmd = [
         sys.executable, "-m", "lamina.cli.main", "emulate", "--hosts", "2",
         "--nproc-per-host", "2", "--link", link, "--rank-order", "interleaved",
-        "--timeout", "1500", "--", "lamina", "run", os.path.abspath(script), *sys.argv[1:],
+        "--timeout", "1500", "--", "lamina", "run", os.path.abspath(script), *argv,
     ]  # fmt: skip
     env = {**os.environ, INNER_ENV: "1", "LAMINA_TOPOLOGY": "probe"}
-    sys.exit(subprocess.call(cmd, env=env))
+    return subprocess.call(cmd, env=env)
 
 
 def lossless_check(steps: int = 5, strategy: str = "dp", **options: Any) -> float:

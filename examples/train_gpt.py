@@ -17,6 +17,7 @@ losses (averaged over all ranks) and a final summary line.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -33,6 +34,7 @@ import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
 from lamina.checkpoint import CheckpointManager
+from lamina.comm.codecs import Fp8Codec
 from lamina.data import EpochSampler
 from lamina.errors import ConfigError
 
@@ -81,12 +83,53 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="crash tests: rank --kill-rank SIGKILLs itself once after this step",
     )
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument(
+        "--codec",
+        choices=CODECS,
+        default="none",
+        help="dp: gradients on the wire in bf16/fp16, or fp8 summed in two phases with "
+        "(fp8) or without (fp8-no-feedback) error feedback",
+    )
+    p.add_argument(
+        "--codec-scope",
+        choices=("all", "inter"),
+        default="all",
+        help="fp8 compresses every phase, or only the inter-host phase (hierarchical)",
+    )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        help="rank 0 appends one JSON line per evaluation here (step, train and val loss)",
+    )
     args = p.parse_args(argv)
     if min(args.max_steps, args.batch_size, args.seq_len, args.eval_every) < 1:
         p.error("--max-steps, --batch-size, --seq-len and --eval-every must be >= 1")
     if args.checkpoint_every < 1 or args.keep < 1:
         p.error("--checkpoint-every and --keep must be >= 1")
+    if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
+        p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
     return args
+
+
+#: What --codec accepts.
+CODECS = ("none", "bf16", "fp16", "fp8", "fp8-no-feedback")
+
+
+def codec_options(args: argparse.Namespace) -> dict[str, object]:
+    """``lamina.distribute`` options of ``--codec`` and ``--codec-scope`` (dp only)."""
+    if args.codec == "none":
+        return {}
+    codec: object = args.codec
+    if args.codec == "fp8-no-feedback":
+        codec = Fp8Codec(error_feedback=False)
+    return {"codec": codec, "codec_scope": args.codec_scope}
+
+
+def write_metrics(path: str | None, record: dict[str, float]) -> None:
+    """Append ``record`` to the ``--metrics`` file as one JSON line."""
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def kill_once(directory: str | None, step: int) -> None:
@@ -159,7 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_params = net.num_parameters()
         example = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=rt.device)
         # dp plans its buckets from the captured graph (here at once, from an example)
-        options = {"example_inputs": (example,)} if args.strategy == "dp" else {}
+        options = (
+            {"example_inputs": (example,), **codec_options(args)} if args.strategy == "dp" else {}
+        )
         try:
             model = lamina.distribute(net, strategy=args.strategy, **options)
         except ConfigError as exc:
@@ -252,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     val_loss = evaluate(model, corpus, args, rt.rank, rt.device)
                     window_sum, window_n = 0.0, 0
                     if rt.is_main:
+                        record = {"step": step, "train_loss": train_loss, "val_loss": val_loss}
+                        write_metrics(args.metrics, record)
                         progress.console.print(
                             f"step {step:>5}/{args.max_steps} | train loss {train_loss:.4f} | "
                             f"val loss {val_loss:.4f} | {tps:,.0f} tok/s",
