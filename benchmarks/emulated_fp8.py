@@ -31,7 +31,7 @@ import torch.distributed as dist
 import lamina
 from _results import write_results
 from emulated_training import relaunch_emulated
-from lamina.comm.fp8 import Fp8Sum, all_reduce_fp8, wire_bytes
+from lamina.comm.fp8 import Fp8Settings, Fp8Sum, all_reduce_fp8, wire_bytes
 
 
 def slowest(seconds: float) -> float:
@@ -48,7 +48,7 @@ def accumulated_error(
     accumulated sum. Each step's gradients are a direction shared by the steps and the
     ranks, plus noise of the step and of the rank (consecutive gradients correlate, as
     in training)."""
-    fp8 = Fp8Sum(error_feedback=feedback, launcher=launcher)
+    fp8 = Fp8Sum(Fp8Settings(error_feedback=feedback, launcher=launcher))
     exact_total = torch.zeros(numel)
     fp8_total = torch.zeros(numel)
     direction = torch.randn(numel, generator=torch.Generator().manual_seed(999))
@@ -90,7 +90,7 @@ def main() -> None:
     def fp32(buffer: torch.Tensor) -> None:
         dist.all_reduce(buffer)
 
-    summing = Fp8Sum(error_feedback=False, launcher=runtime.kernels)  # what DP runs
+    summing = Fp8Sum(Fp8Settings(error_feedback=False, launcher=runtime.kernels))  # what DP runs
 
     def fp8(buffer: torch.Tensor) -> None:
         buffer.copy_(summing.run(buffer)[:numel])

@@ -13,6 +13,7 @@ import lamina
 from lamina.comm.fp8 import (
     BLOCK,
     E4M3_MAX,
+    Fp8Settings,
     Fp8Sum,
     QuantizationCounts,
     all_reduce_fp8,
@@ -105,7 +106,7 @@ def _accumulated_error(rank: int, error_feedback: bool) -> dict[str, float]:
     grad = torch.randn(4099, generator=torch.Generator().manual_seed(rank))
     exact = grad.clone()
     dist.all_reduce(exact)
-    fp8 = Fp8Sum(error_feedback=error_feedback)
+    fp8 = Fp8Sum(Fp8Settings(error_feedback=error_feedback))
     total = torch.zeros_like(grad)
     for _ in range(FEEDBACK_STEPS):
         result = fp8.run(grad)[: grad.numel()]

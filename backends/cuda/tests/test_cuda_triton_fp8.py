@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_snippets import run_triton_snippet
 
 from lamina.device.kernels import Dim3, KernelLauncher
 from lamina.plugins import get_registry
@@ -187,14 +184,7 @@ _INTERPRETED = textwrap.dedent(
 
 
 def test_fp8_kernels_in_the_triton_interpreter() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed; pip install lamina-backend-cuda[triton]")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "interpreted fp8 kernels ok" in proc.stdout
+    run_triton_snippet(_INTERPRETED, "interpreted fp8 kernels ok", interpret=True)
 
 
 _COMPILED = textwrap.dedent(
@@ -225,10 +215,4 @@ _COMPILED = textwrap.dedent(
 
 
 def test_fp8_kernels_compile_for_a_gpu_without_one() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed; pip install lamina-backend-cuda[triton]")
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILED], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled for sm_90 and sm_80" in proc.stdout
+    run_triton_snippet(_COMPILED, "compiled for sm_90 and sm_80")

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_snippets import run_triton_snippet
 
 from lamina.device.kernels import Dim3, KernelLauncher
 from lamina.errors import KernelError
@@ -101,14 +98,7 @@ _INTERPRETED = textwrap.dedent(
 
 
 def test_kernels_in_the_triton_interpreter() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed; pip install lamina-backend-cuda[triton]")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "interpreted kernels ok" in proc.stdout
+    run_triton_snippet(_INTERPRETED, "interpreted kernels ok", interpret=True)
 
 
 _COMPILED = textwrap.dedent(
@@ -136,10 +126,4 @@ _COMPILED = textwrap.dedent(
 
 
 def test_kernels_compile_for_a_gpu_without_one() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed; pip install lamina-backend-cuda[triton]")
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILED], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled for sm_90" in proc.stdout
+    run_triton_snippet(_COMPILED, "compiled for sm_90")

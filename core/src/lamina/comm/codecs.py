@@ -14,12 +14,15 @@ decision the same way without exchanging anything.
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
 
 import torch
 
 from lamina.comm.fp8 import (
     BLOCK,
     Fp8Scatter,
+    Fp8Settings,
     Fp8Sum,
     Quantized,
     dequantize,
@@ -123,43 +126,22 @@ class Fp8Codec(Codec):
             )
         if fallback not in FP8_FALLBACKS:
             raise ConfigError(f"fp8 fallback={fallback!r} is not one of {list(FP8_FALLBACKS)}")
-        self.error_feedback = error_feedback
-        self.block = block
-        self.error_bound = error_bound
-        self.overflow_at = overflow_at
+        self.settings = Fp8Settings(block, error_feedback, error_bound, overflow_at, launcher)
         self.fallback = fallback
-        self.launcher = launcher
 
     def with_launcher(self, launcher: KernelLauncher) -> Fp8Codec:
         """This codec's settings, running the kernels of ``launcher``."""
-        return Fp8Codec(
-            error_feedback=self.error_feedback,
-            block=self.block,
-            error_bound=self.error_bound,
-            overflow_at=self.overflow_at,
-            fallback=self.fallback,
-            launcher=launcher,
-        )
+        codec = copy.copy(self)
+        codec.settings = dataclasses.replace(self.settings, launcher=launcher)
+        return codec
 
     def new_sum(self) -> Fp8Sum:
         """The per-bucket state of one bucket's two-phase sums."""
-        return Fp8Sum(
-            block=self.block,
-            error_feedback=self.error_feedback,
-            error_bound=self.error_bound,
-            overflow_at=self.overflow_at,
-            launcher=self.launcher,
-        )
+        return Fp8Sum(self.settings)
 
     def new_scatter(self) -> Fp8Scatter:
         """The per-unit state of one unit's fp8 reduce-scatters (ZeRO-3)."""
-        return Fp8Scatter(
-            block=self.block,
-            error_feedback=self.error_feedback,
-            error_bound=self.error_bound,
-            overflow_at=self.overflow_at,
-            launcher=self.launcher,
-        )
+        return Fp8Scatter(self.settings)
 
     def encode(self, bucket: torch.Tensor) -> torch.Tensor:
         """The e4m3 bits of ``bucket`` padded to whole blocks (exponents dropped: this is
@@ -172,21 +154,23 @@ class Fp8Codec(Codec):
 
     def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
         """``bucket`` quantized with its block scales and decoded."""
-        decoded = dequantize(self._quantize(bucket), launcher=self.launcher)
+        decoded = dequantize(self._quantize(bucket), launcher=self.settings.launcher)
         return decoded[: bucket.numel()].to(bucket.dtype)
 
     def _quantize(self, bucket: torch.Tensor) -> Quantized:
         padded = torch.zeros(
-            padded_numel(bucket.numel(), 1, self.block), dtype=torch.float32, device=bucket.device
+            padded_numel(bucket.numel(), 1, self.settings.block),
+            dtype=torch.float32,
+            device=bucket.device,
         )
         padded[: bucket.numel()].copy_(bucket.reshape(-1))
-        return quantize(padded, self.block, launcher=self.launcher)
+        return quantize(padded, self.settings.block, launcher=self.settings.launcher)
 
     def describe(self) -> str:
         """Its settings, for plans."""
-        feedback = "with" if self.error_feedback else "without"
+        feedback = "with" if self.settings.error_feedback else "without"
         return (
-            f"fp8 e4m3, blocks of {self.block}, {feedback} error feedback, falls back to "
+            f"fp8 e4m3, blocks of {self.settings.block}, {feedback} error feedback, falls back to "
             f"{self.fallback}"
         )
 

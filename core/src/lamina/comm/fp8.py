@@ -50,6 +50,8 @@ __all__ = [
     "MAX_EXPONENT",
     "MIN_EXPONENT",
     "Fp8Channel",
+    "Fp8Scatter",
+    "Fp8Settings",
     "Fp8Stats",
     "Fp8Sum",
     "QuantizationCounts",
@@ -156,9 +158,18 @@ def wire_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
     return 2 * (world_size - 1) * quantized_bytes(numel, world_size, block) // world_size
 
 
-def _relative_error(exact: torch.Tensor, decoded: torch.Tensor) -> float:
-    norm = float(exact.norm())
-    return float((exact - decoded).norm()) / norm if norm > 0 else 0.0
+@dataclass(frozen=True)
+class Fp8Settings:
+    """How fp8 sums quantize and when a rank flags its input: ``block`` elements per
+    scale, ``error_feedback`` (carry the residuals into the next step), ``error_bound``
+    (a quantization's relative L2 error) and ``overflow_at`` (a magnitude) past which
+    it flags, and the ``launcher`` whose kernels quantize (None: the torch references)."""
+
+    block: int = BLOCK
+    error_feedback: bool = True
+    error_bound: float = 0.1
+    overflow_at: float = float("inf")
+    launcher: KernelLauncher | None = None
 
 
 @dataclass
@@ -217,20 +228,13 @@ class Fp8Sum:
     :meth:`stats`.
     """
 
-    def __init__(
-        self,
-        *,
-        block: int = BLOCK,
-        error_feedback: bool = True,
-        error_bound: float = 0.1,
-        overflow_at: float = float("inf"),
-        launcher: KernelLauncher | None = None,
-    ) -> None:
-        self.block = block
-        self.error_feedback = error_feedback
-        self.error_bound = error_bound
-        self.overflow_at = overflow_at
-        self.launcher = launcher or _REFERENCE
+    def __init__(self, settings: Fp8Settings | None = None) -> None:
+        settings = settings or Fp8Settings()
+        self.block = settings.block
+        self.error_feedback = settings.error_feedback
+        self.error_bound = settings.error_bound
+        self.overflow_at = settings.overflow_at
+        self.launcher = settings.launcher or _REFERENCE
         self._residual: torch.Tensor | None = None
         self._owned_residual: torch.Tensor | None = None
         #: the last sum's two quantizations (the second absent for a reduce-scatter)
@@ -354,7 +358,7 @@ def all_reduce_fp8(
     ``numel``."""
     if dist.get_world_size(group) == 1:
         return tensor
-    fp8 = Fp8Sum(block=block, error_feedback=False, error_bound=float("inf"))
+    fp8 = Fp8Sum(Fp8Settings(block=block, error_feedback=False, error_bound=float("inf")))
     result = fp8.run(tensor, group)
     if counts is not None:
         counts.add(fp8.stats().counts)
@@ -397,22 +401,8 @@ class Fp8Scatter:
     ``float32 max / P``, where the sum could overflow on one rank only.
     """
 
-    def __init__(
-        self,
-        *,
-        block: int = BLOCK,
-        error_feedback: bool = True,
-        error_bound: float = 0.1,
-        overflow_at: float = float("inf"),
-        launcher: KernelLauncher | None = None,
-    ) -> None:
-        self._sum = Fp8Sum(
-            block=block,
-            error_feedback=error_feedback,
-            error_bound=error_bound,
-            overflow_at=overflow_at,
-            launcher=launcher,
-        )
+    def __init__(self, settings: Fp8Settings | None = None) -> None:
+        self._sum = Fp8Sum(settings)
 
     @staticmethod
     def residual_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:

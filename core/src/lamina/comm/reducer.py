@@ -295,6 +295,9 @@ class GradientReducer:
         (every rank decoded the same bits, so every rank decides the same way)."""
         result, state.result = state.result, None
         assert result is not None and isinstance(state.codec, Fp8Codec)
+        if self._handle is not None and self.comm_stream is not None:
+            # the sum was written on the communication stream: read it after it
+            self._handle.current_stream().wait_stream(self.comm_stream)
         ok = bool(torch.isfinite(result).all())
         for fp8 in state.fp8:
             fp8.commit(ok)

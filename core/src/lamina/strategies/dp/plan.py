@@ -101,17 +101,17 @@ def _codec_attrs(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> dict[s
     if not isinstance(wire, Fp8Codec):
         return {"codec": wire.name}
     residual = 0
-    if wire.error_feedback:
+    if wire.settings.error_feedback:
         if inputs.codec_scope == "inter":  # the 1/L shard, summed over the hosts
             hosts = len(inputs.group) // inputs.ranks_per_host
             shard = -(-numel // inputs.ranks_per_host)
-            residual = Fp8Sum.residual_bytes(shard, hosts, wire.block)
+            residual = Fp8Sum.residual_bytes(shard, hosts, wire.settings.block)
         else:
-            residual = Fp8Sum.residual_bytes(numel, len(inputs.group), wire.block)
+            residual = Fp8Sum.residual_bytes(numel, len(inputs.group), wire.settings.block)
     return {
         "codec": wire.name,
         "codec_scope": inputs.codec_scope,
-        "error_feedback": wire.error_feedback,
+        "error_feedback": wire.settings.error_feedback,
         "residual_bytes": residual,
     }
 

@@ -90,7 +90,7 @@ class DataParallel(nn.Module):
         first = options.first_bucket_mb
         self._first_bytes = None if first is None else int(first * MIB)
         self._codec = get_codec(options.codec)
-        if isinstance(self._codec, Fp8Codec) and self._codec.launcher is None:
+        if isinstance(self._codec, Fp8Codec) and self._codec.settings.launcher is None:
             self._codec = self._codec.with_launcher(runtime.kernels)  # the backend's kernels
         self._compile_backend = compile_backend_of(options.compile)
         self._source = self._ranks[0]

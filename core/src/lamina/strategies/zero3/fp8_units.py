@@ -32,7 +32,7 @@ def sharded_codec(spec: str | Codec | None, launcher: Any = None) -> Fp8Codec | 
             f"codec={codec.name!r}: zero3 and hsdp compress gradients with 'fp8' (or an "
             "Fp8Codec) only; the cast codecs (bf16, fp16) are dp's"
         )
-    if codec.launcher is None and launcher is not None:
+    if codec.settings.launcher is None and launcher is not None:
         return codec.with_launcher(launcher)
     return codec
 

@@ -153,8 +153,8 @@ def _codec_attrs(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> dict[s
     return {
         "codec": codec.name,
         "codec_scope": "all" if role == "scatter" else "replicas",
-        "error_feedback": codec.error_feedback,
-        "residual_bytes": residual if codec.error_feedback else 0,
+        "error_feedback": codec.settings.error_feedback,
+        "residual_bytes": residual if codec.settings.error_feedback else 0,
     }
 
 
