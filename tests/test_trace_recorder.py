@@ -15,6 +15,7 @@ import lamina
 from lamina.errors import ConfigError
 from lamina.testing import run_ranks
 from lamina.trace import TraceRecorder, read_dir, read_jsonl
+from lamina.trace.analysis import build_report
 from lamina.trace.events import busbw_factor
 
 pytestmark = pytest.mark.portable
@@ -159,3 +160,19 @@ def test_two_rank_trace_has_one_event_per_planned_collective(strategy: str, tmp_
         assert all(s.end_ns is not None and s.end_ns >= s.start_ns for s in trace.spans)
     first, second = traces[0].collectives, traces[1].collectives
     assert [(e.seq, e.node) for e in first] == [(e.seq, e.node) for e in second]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_one_rank_trace_reports_every_step(strategy: str, tmp_path: Path) -> None:
+    """One rank issues no collective: its steps still end, at each synchronizing
+    backward, so every step's forward and backward spans carry their own step."""
+    steps = 4
+    run_ranks(_traced_job, 1, args=(strategy, steps), env={"LAMINA_TRACE": str(tmp_path)})
+    trace = read_dir(tmp_path)[0]
+    assert trace.collectives == []
+    forwards = [s.step for s in trace.spans if (s.track, s.name) == ("compute", "forward")]
+    assert len(forwards) == steps and len(set(forwards)) == steps, forwards
+    report = build_report({0: trace})
+    assert report.totals["steps"] == steps

@@ -18,6 +18,7 @@ from lamina.device.backend import Backend
 from lamina.device.handle import DeviceHandle
 from lamina.device.kernels import KernelLauncher
 from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh, grid_lines, planned_grid
+from lamina.device.sharing import check_ranks_fit, collective_backend
 from lamina.device.topology import HostTopology, Topology, merge_host_topologies
 from lamina.device.topology_file import load_topology
 from lamina.errors import ConfigError
@@ -156,6 +157,8 @@ def init(
         launch.rank, launch.world_size, launch.local_rank, launch.local_world_size
     )
     handle = chosen.handle()
+    if chosen.one_device_per_rank:  # before any process group: one line, no NCCL traceback
+        check_ranks_fit(chosen, launch.local_world_size, handle.device_count())
     device = handle.device_for_local_rank(launch.local_rank)
     handle.set_device(device)
     from lamina.trace import user_collectives, watchdog
@@ -270,7 +273,7 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
     if launch.world_size == 1 and "MASTER_ADDR" not in os.environ:
         store = HashStore()
         dist.init_process_group(
-            backend.collective_backend, store=store, rank=0, world_size=1, timeout=timeout
+            collective_backend(backend), store=store, rank=0, world_size=1, timeout=timeout
         )
         return True
     for name in ("MASTER_ADDR", "MASTER_PORT"):
@@ -281,7 +284,7 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
             )
     attempt_store = _attempt_store(backend, launch, timeout)
     dist.init_process_group(
-        backend.collective_backend,
+        collective_backend(backend),
         init_method=None if attempt_store is not None else backend.init_method,
         store=attempt_store,
         rank=launch.rank,

@@ -60,6 +60,8 @@ class CudaBackend(Backend):
     priority = 100
     device_type = "cuda"
     collective_backend = "nccl"
+    one_device_per_rank = True
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     def availability(self) -> Availability:
         reason = cuda_unavailable_reason()

@@ -111,9 +111,9 @@ def _e4m3_value(code):
 @_jit
 def _fp8_quantize_kernel(x_ptr, payload_ptr, exponents_ptr, nblocks, BLOCK: tl.constexpr):
     """Grid-stride over the scaling blocks: one exponent and ``BLOCK`` e4m3 codes each."""
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
+    blk = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
     nprog = tl.num_programs(0).to(tl.int64)
-    for blk in range(pid, nblocks, nprog):
+    while blk < nblocks:  # a while loop: Triton 3.6's interpreter cannot range() here
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         x = _load_fp32(x_ptr + offs)
         # magnitudes compare as their bits: an integer max sees NaN and inf too
@@ -121,18 +121,20 @@ def _fp8_quantize_kernel(x_ptr, payload_ptr, exponents_ptr, nblocks, BLOCK: tl.c
         codes = _e4m3_bits(x * _exp2i(e))
         tl.store(payload_ptr + offs, codes.to(tl.uint8))
         tl.store(exponents_ptr + blk, e.to(tl.int8))
+        blk += nprog
 
 
 @_jit
 def _fp8_dequantize_kernel(payload_ptr, exponents_ptr, out_ptr, nblocks, BLOCK: tl.constexpr):
     """Grid-stride over the scaling blocks: ``e4m3(code) * 2**-e`` in fp32."""
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
+    blk = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
     nprog = tl.num_programs(0).to(tl.int64)
-    for blk in range(pid, nblocks, nprog):
+    while blk < nblocks:  # a while loop: Triton 3.6's interpreter cannot range() here
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         codes = tl.load(payload_ptr + offs).to(tl.int32)
         e = tl.load(exponents_ptr + blk).to(tl.int32)
         tl.store(out_ptr + offs, _e4m3_value(codes) * _exp2i(-e))
+        blk += nprog
 
 
 def _grid(config: LaunchConfig, kernel: str) -> int:

@@ -4,7 +4,8 @@
 This module imports ``triton`` at the top: :mod:`lamina_cuda.plugin` imports it only
 after :func:`lamina_cuda.plugin.triton_unusable_reason` found triton and a CUDA
 device. Both kernels honour the launch config: ``block.x`` is the Triton ``BLOCK_SIZE``
-(a power of two) and ``grid.x`` programs walk the blocks in a grid-stride loop, so any
+(a power of two) and ``grid.x`` programs walk the blocks in a grid-stride loop (a
+``while`` loop: Triton 3.6's interpreter cannot ``range()`` over a program id), so any
 grid covers the whole buffer. Arguments are validated with the same core helpers as the
 references; inputs the kernels do not cover (CPU tensors, complex or fp8 dtypes, fp64 for
 ``scale_accumulate``, non-contiguous ``dst``) run the equivalent torch operation.
@@ -53,13 +54,14 @@ _ACCUMULATE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 @_jit
 def _pack_kernel(out_ptr, src_ptrs, starts, num_tensors, total, BLOCK_SIZE: tl.constexpr):
     """Grid-stride over ``out``; each block copies the slices of the tensors it overlaps."""
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
+    blk = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
     nprog = tl.num_programs(0).to(tl.int64)
     nblocks = tl.cdiv(total, BLOCK_SIZE)
-    for blk in range(pid, nblocks, nprog):
+    while blk < nblocks:  # a while loop: Triton 3.6's interpreter cannot range() here
         lo = blk * BLOCK_SIZE
         offs = lo + tl.arange(0, BLOCK_SIZE)
-        for t in range(num_tensors):
+        t = 0
+        while t < num_tensors:
             start = tl.load(starts + t)
             end = tl.load(starts + t + 1)
             if (start < lo + BLOCK_SIZE) & (end > lo):
@@ -67,20 +69,23 @@ def _pack_kernel(out_ptr, src_ptrs, starts, num_tensors, total, BLOCK_SIZE: tl.c
                 mask = (offs >= start) & (offs < end)
                 vals = tl.load(src + (offs - start), mask=mask)
                 tl.store(out_ptr + offs, vals, mask=mask)
+            t += 1
+        blk += nprog
 
 
 @_jit
 def _scale_accumulate_kernel(dst_ptr, src_ptr, scale, n, BLOCK_SIZE: tl.constexpr):
     """Grid-stride ``dst += scale * src`` in fp32, rounded once to dst's dtype."""
-    pid = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
+    blk = tl.program_id(0).to(tl.int64)  # int64 offsets: buffers may pass 2**31 elements
     nprog = tl.num_programs(0).to(tl.int64)
     nblocks = tl.cdiv(n, BLOCK_SIZE)
-    for blk in range(pid, nblocks, nprog):
+    while blk < nblocks:  # a while loop: Triton 3.6's interpreter cannot range() here
         offs = blk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         mask = offs < n
         d = tl.load(dst_ptr + offs, mask=mask).to(tl.float32)
         s = tl.load(src_ptr + offs, mask=mask).to(tl.float32)
         tl.store(dst_ptr + offs, (d + scale * s).to(dst_ptr.dtype.element_ty), mask=mask)
+        blk += nprog
 
 
 def _geometry(config: LaunchConfig, kernel: str) -> tuple[int, int]:

@@ -41,6 +41,8 @@ class NpuBackend(Backend):
     priority = 80
     device_type = "npu"
     collective_backend = "hccl"
+    one_device_per_rank = True
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
 
     def availability(self) -> Availability:
         """torch_npu installed, CANN libraries findable, torch_npu importable, an NPU visible."""

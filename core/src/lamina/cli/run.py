@@ -163,6 +163,43 @@ def plan_launch(argv: Sequence[str], environ: dict[str, str] | None = None) -> L
     return LaunchPlan(args.backend, torchrun_argv, add_standalone, None, script)
 
 
+#: ``--nproc-per-node`` values that mean "one rank per visible device".
+PER_DEVICE = ("gpu", "auto")
+
+
+def fit_ranks_to_devices(plan: LaunchPlan, backend_name: str | None) -> LaunchPlan:
+    """For a backend that gives each rank a device of its own: ``--nproc-per-node gpu``
+    (or ``auto``) becomes the visible device count, and more ranks than devices is one
+    line here (:func:`lamina.device.sharing.check_ranks_fit`) before any rank starts."""
+    args: Any = build_run_parser().parse_args(plan.torchrun_argv)
+    nproc = str(args.nproc_per_node)
+    if nproc not in PER_DEVICE and not (nproc.isdigit() and int(nproc) > 1):
+        return plan
+    from lamina.device.sharing import check_ranks_fit
+    from lamina.plugins import get_registry
+
+    backend = get_registry().select_backend(backend_name)
+    if not backend.one_device_per_rank:
+        if nproc == "gpu":
+            raise ConfigError(
+                f"--nproc-per-node gpu starts one rank per device, but backend "
+                f"{backend.name!r} has no devices of its own; give a number of ranks"
+            )
+        return plan  # "auto": torchrun's own rule
+    devices = backend.handle().device_count()
+    if nproc.isdigit():
+        check_ranks_fit(backend, int(nproc), devices)
+        return plan
+    if devices < 1:
+        raise ConfigError(
+            f"--nproc-per-node {nproc}: no {backend.name} device is visible; check "
+            f"{backend.visible_devices_env or 'the driver'}"
+        )
+    split = len(plan.torchrun_argv) - 1 - len(args.training_script_args)
+    argv = [*plan.torchrun_argv[:split], f"--nproc-per-node={devices}"]
+    return dataclasses.replace(plan, torchrun_argv=argv + plan.torchrun_argv[split:])
+
+
 def check_backend(name: str) -> str:
     """Fail before any rank starts if backend ``name`` is not installed or not available."""
     from lamina.plugins import get_registry
@@ -228,6 +265,7 @@ def run_command(args: argparse.Namespace) -> int:
     if requested:
         check_backend(requested.strip())
     check_script(plan.script)
+    plan = fit_ranks_to_devices(plan, requested.strip() if requested else None)
     if plan.scheduler is not None:
         print(f"lamina run: {plan.scheduler.describe()}", file=sys.stderr, flush=True)
     return launch(plan)

@@ -61,6 +61,14 @@ class Backend(abc.ABC):
     #: ``"all_gather"``); plans use their declared all-reduce alternatives instead.
     unsupported_collectives: frozenset[str] = frozenset()
 
+    #: Each rank of a host needs a device of its own (its collective library refuses two
+    #: ranks on one device); ``lamina.init`` and ``lamina run`` check the count first.
+    one_device_per_rank: bool = False
+
+    #: The environment variable that limits which devices a process sees
+    #: (``"CUDA_VISIBLE_DEVICES"``); named in the error when ranks outnumber devices.
+    visible_devices_env: str = ""
+
     @abc.abstractmethod
     def availability(self) -> Availability:
         """Probe (without side effects beyond importing the vendor package) whether it runs."""

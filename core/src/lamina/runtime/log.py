@@ -37,6 +37,9 @@ class StepRecord:
     issued: Counter[str] = field(default_factory=Counter)
     nbytes: int = 0
     fallbacks: list[FallbackEvent] = field(default_factory=list)
+    #: A backward that synchronizes gradients ended in this step (with one rank, where
+    #: nothing is issued, this is what ends a step; under ``no_sync`` nothing does).
+    synced: bool = False
 
 
 class RunLog:
@@ -54,8 +57,9 @@ class RunLog:
         self._backward: SpanEvent | None = None
 
     def begin_step(self) -> None:
-        """Close the current step (if it issued anything) and open the next one."""
-        if self.current.issued or self.current.fallbacks:
+        """Close the current step (if it issued anything or synchronized a backward) and
+        open the next one; forwards of micro-batches under ``no_sync`` stay one step."""
+        if self.current.issued or self.current.fallbacks or self.current.synced:
             self.last = self.current
             self.current = StepRecord(step=self.current.step + 1)
         recorder = get_recorder()
@@ -100,6 +104,7 @@ class RunLog:
 
     def end_backward(self) -> None:
         """Backward's computation ended (its collectives may still be in flight)."""
+        self.current.synced = True
         span, self._backward = self._backward, None
         if span is not None:
             span.end_ns = time.time_ns()
