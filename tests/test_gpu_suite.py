@@ -1,0 +1,33 @@
+"""``benchmarks/gpu_suite.py --device cpu``: the GPU session's script in its tiny CPU
+version, so that it cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_suite_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_cpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--device", "cpu",
+         "--output", str(output)],
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert results["backend_tests"]["outcome"].startswith("skipped: the cuda backend suite")
+    training = results["training"]
+    assert training["outcome"] == "ok"
+    assert set(training["variants"]) >= {"dp", "ddp", "zero3", "fsdp2", "zero3_bf16_params"}
+    assert all(v["median_step_s"] > 0 for v in training["variants"].values())
+    assert results["shared_device"]["counts"] == {"passed": 2}
+    assert results["trace"]["steps_in_report"] == results["trace"]["steps_trained"] == 4
+    assert "variant" in proc.stdout and "step ms" in proc.stdout  # the table

@@ -1,0 +1,70 @@
+"""Two ranks on the runtime's device, against torch DDP: DP and ZeRO-3 train the same
+parameters, and the reducer's communication stream is ordered after the compute that
+wrote the gradients.
+
+On a CPU machine the ranks run on the CPU. On a host with one GPU,
+``LAMINA_SHARE_DEVICE=1`` (``benchmarks/gpu_suite.py`` sets it) puts both ranks on that
+GPU with gloo collectives, so the multi-rank CUDA paths (streams, events, the reducer's
+overlap, ZeRO-3's prefetch) run where NCCL would refuse two ranks on one device."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lamina
+from lamina.testing import run_ranks
+from models_for_tests import batch, build, loss_of
+
+pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+
+STEPS = 4
+
+
+def _beside_ddp(strategy: str, device: torch.device, rank: int) -> dict[str, Any]:
+    """``STEPS`` SGD steps of ``strategy`` and of DDP from one initialization."""
+    initial = build("mlp", seed=rank).to(device)
+    options: dict[str, Any] = {"min_unit_numel": 0} if strategy == "zero3" else {}
+    ours = lamina.distribute(copy.deepcopy(initial), strategy, **options)
+    ddp = DDP(copy.deepcopy(initial), device_ids=None)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ddp)]
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in batch("mlp", step, rank))
+        for model, opt in zip((ours, ddp), opts, strict=True):
+            loss_of("mlp", model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    theirs = ddp.module.state_dict()
+    state = (ours.module if strategy == "dp" else ours).state_dict()
+    diffs = []
+    for name, value in state.items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        diffs.append(float((full - theirs[name]).abs().max()))
+    return {"diff": max(diffs), "device": str(device), "summary": ours.step_summary()}
+
+
+def _job() -> dict[str, Any]:
+    runtime = lamina.init()
+    device = runtime.device
+    out = {s: _beside_ddp(s, device, runtime.rank) for s in ("dp", "zero3")}
+    out["backend"] = runtime.backend.name
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(_job, 2, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_two_ranks_on_the_device_train_like_ddp(
+    results: list[dict[str, Any]], strategy: str
+) -> None:
+    for rank, result in enumerate(results):
+        assert result[strategy]["diff"] <= 1e-5, (rank, result[strategy])
+        assert result[strategy]["device"] == results[0][strategy]["device"]
