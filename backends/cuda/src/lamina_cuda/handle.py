@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import cast
+from typing import Any, cast
 
 import torch
 
-from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream, torch_dtypes_by_name
+from lamina.device.accelerator import AcceleratorHandle
+from lamina.device.handle import Event, Stream, torch_dtypes_by_name
 from lamina.device.torch_streams import TorchEvent, TorchStream
 
 __all__ = ["FP8_MIN_CAPABILITY", "CudaEvent", "CudaHandle", "CudaStream"]
@@ -63,33 +64,17 @@ def _device(device: torch.device | int | None) -> torch.device | int | None:
     return device
 
 
-class CudaHandle(DeviceHandle):
-    """DeviceHandle over ``torch.cuda``: caching-allocator memory figures, NCCL collectives."""
+class CudaHandle(AcceleratorHandle):
+    """DeviceHandle over ``torch.accelerator`` (device, synchronization, memory figures;
+    ``torch.cuda`` where an older torch lacks them) and ``torch.cuda`` streams and events."""
 
     device_type = "cuda"
     collective_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
-    def device_count(self) -> int:
-        return torch.cuda.device_count()
-
-    def current_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
-
-    def set_device(self, device: torch.device | int) -> None:
-        torch.cuda.set_device(_device(device))
-
-    def memory_stats(self, device: torch.device | None = None) -> MemoryStats:
-        d = _device(device)
-        return MemoryStats(
-            allocated=torch.cuda.memory_allocated(d),
-            reserved=torch.cuda.memory_reserved(d),
-            peak=torch.cuda.max_memory_allocated(d),
-            scope="device",
-        )
-
-    def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        torch.cuda.reset_peak_memory_stats(_device(device))
+    def vendor(self) -> Any:
+        """``torch.cuda``."""
+        return torch.cuda
 
     def new_stream(self, device: torch.device | None = None) -> Stream:
         return CudaStream(_new_stream(device=_device(device)))
@@ -104,9 +89,6 @@ class CudaHandle(DeviceHandle):
 
     def new_event(self, enable_timing: bool = True) -> Event:
         return CudaEvent(enable_timing)
-
-    def synchronize(self, device: torch.device | None = None) -> None:
-        torch.cuda.synchronize(_device(device))
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generators of every visible GPU."""

@@ -1,8 +1,10 @@
 """DeviceHandle for Ascend NPUs on ``torch.npu`` (registered by torch_npu).
 
-Everything here delegates to torch_npu: ``torch.npu.Stream`` / ``torch.npu.Event`` (ACL
-streams and events), the NPU caching allocator's counters, ``torch.npu.synchronize`` and
-the per-device generators. Only constructed after :meth:`NpuBackend.availability` has
+Device index and count, synchronization and the caching allocator's counters go through
+``torch.accelerator`` where the installed torch serves ``npu`` with it
+(:class:`~lamina.device.accelerator.AcceleratorHandle`), else through ``torch.npu``;
+streams and events are ``torch.npu.Stream`` / ``torch.npu.Event`` (ACL streams and
+events), generators torch_npu's per-device ones. Only constructed after :meth:`NpuBackend.availability` has
 imported torch_npu successfully.
 """
 
@@ -14,7 +16,8 @@ from typing import Any
 
 import torch
 
-from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
+from lamina.device.accelerator import AcceleratorHandle
+from lamina.device.handle import Event, Stream
 from lamina.device.torch_streams import TorchEvent, TorchStream
 
 __all__ = ["FP8_MIN_SOC_VERSION", "NpuEvent", "NpuHandle", "NpuStream", "npu_runtime"]
@@ -55,8 +58,10 @@ class NpuStream(TorchStream):
 NpuEvent.stream_class = NpuStream
 
 
-class NpuHandle(DeviceHandle):
-    """Ascend NPUs of this process through ``torch.npu``; collectives over HCCL."""
+class NpuHandle(AcceleratorHandle):
+    """Ascend NPUs of this process: device, synchronization and memory figures through
+    ``torch.accelerator`` where the installed torch serves ``npu`` with it (``torch.npu``
+    otherwise), ``torch.npu`` streams and events; collectives over HCCL."""
 
     device_type = "npu"
     collective_backend = "hccl"
@@ -65,28 +70,9 @@ class NpuHandle(DeviceHandle):
     def __init__(self) -> None:
         self._npu = npu_runtime()
 
-    def device_count(self) -> int:
-        return int(self._npu.device_count())
-
-    def current_device(self) -> torch.device:
-        return torch.device("npu", int(self._npu.current_device()))
-
-    def set_device(self, device: torch.device | int) -> None:
-        _index(device)  # validates the device type
-        self._npu.set_device(device)
-
-    def memory_stats(self, device: torch.device | None = None) -> MemoryStats:
-        """The NPU caching allocator's counters (``scope="device"``)."""
-        index = _index(device)
-        return MemoryStats(
-            allocated=int(self._npu.memory_allocated(index)),
-            reserved=int(self._npu.memory_reserved(index)),
-            peak=int(self._npu.max_memory_allocated(index)),
-            scope="device",
-        )
-
-    def reset_peak_memory(self, device: torch.device | None = None) -> None:
-        self._npu.reset_peak_memory_stats(_index(device))
+    def vendor(self) -> Any:
+        """``torch.npu``."""
+        return self._npu
 
     def new_stream(self, device: torch.device | None = None) -> Stream:
         return NpuStream(self._npu.Stream(device=_index(device)))
@@ -102,9 +88,6 @@ class NpuHandle(DeviceHandle):
 
     def new_event(self, enable_timing: bool = True) -> Event:
         return NpuEvent(self._npu.Event(enable_timing=enable_timing), enable_timing)
-
-    def synchronize(self, device: torch.device | None = None) -> None:
-        self._npu.synchronize(_index(device))
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generators of every visible NPU (``torch.npu.manual_seed_all``)."""
