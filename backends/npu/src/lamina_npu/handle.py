@@ -4,8 +4,8 @@ Device index and count, synchronization and the caching allocator's counters go 
 ``torch.accelerator`` where the installed torch serves ``npu`` with it
 (:class:`~lamina.device.accelerator.AcceleratorHandle`), else through ``torch.npu``;
 streams and events are ``torch.npu.Stream`` / ``torch.npu.Event`` (ACL streams and
-events), generators torch_npu's per-device ones. Only constructed after :meth:`NpuBackend.availability` has
-imported torch_npu successfully.
+events), generators torch_npu's per-device ones. Only constructed after
+:meth:`NpuBackend.availability` has imported torch_npu successfully.
 """
 
 from __future__ import annotations
