@@ -25,8 +25,6 @@ from lamina.device.sharing import (
 from lamina.errors import ConfigError
 from lamina.testing.cli import run_lamina
 
-pytestmark = pytest.mark.portable
-
 
 class OneDeviceBackend(CpuBackend):
     """The host CPU posing as a backend with one device that each rank needs alone."""
@@ -43,6 +41,7 @@ class _Registry:
         return OneDeviceBackend()
 
 
+@pytest.mark.portable
 def test_more_ranks_than_devices_is_one_line_naming_both_and_the_fixes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -59,6 +58,7 @@ def test_more_ranks_than_devices_is_one_line_naming_both_and_the_fixes(
     assert collective_backend(OneDeviceBackend()) == "nccl"
 
 
+@pytest.mark.portable
 def test_the_shared_mode_is_explicit_and_runs_collectives_on_gloo(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -72,6 +72,7 @@ def test_the_shared_mode_is_explicit_and_runs_collectives_on_gloo(
         share_device()
 
 
+@pytest.mark.portable
 def test_init_refuses_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SHARE_DEVICE_ENV, raising=False)
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
@@ -83,6 +84,7 @@ def test_init_refuses_before_any_process_group(monkeypatch: pytest.MonkeyPatch) 
     assert not dist.is_initialized()
 
 
+@pytest.mark.portable
 def test_run_turns_gpu_into_the_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SHARE_DEVICE_ENV, raising=False)
     monkeypatch.setattr("lamina.plugins.get_registry", _Registry)
