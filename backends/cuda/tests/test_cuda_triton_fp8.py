@@ -6,11 +6,9 @@ import textwrap
 
 import pytest
 import torch
-from triton_snippets import run_triton_snippet
+from triton_testing import run_triton_snippet, triton_launcher
 
 from lamina.device.kernels import Dim3, KernelLauncher
-from lamina.plugins import get_registry
-from lamina_cuda.plugin import triton_unusable_reason
 
 _INF, _NAN = float("inf"), float("nan")
 #: Blocks of 8 the rounding and the block exponent can get wrong.
@@ -31,14 +29,8 @@ _ADVERSARIAL = [
 
 @pytest.fixture
 def launcher() -> KernelLauncher:
-    """The cuda launcher, with the Triton kernels registered (skips with the reason if not)."""
-    reason = triton_unusable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    launcher = KernelLauncher(get_registry().kernels, "cuda")
-    assert launcher.implementation_name("fp8_quantize") == "cuda"
-    assert launcher.implementation_name("fp8_dequantize") == "cuda"
-    return launcher
+    """The cuda launcher with the Triton kernels (skips with the backend's reason if not)."""
+    return triton_launcher("fp8_quantize", "fp8_dequantize")
 
 
 def _inputs(dtype: torch.dtype, block: int) -> torch.Tensor:

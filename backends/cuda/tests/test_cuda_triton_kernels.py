@@ -6,24 +6,16 @@ import textwrap
 
 import pytest
 import torch
-from triton_snippets import run_triton_snippet
+from triton_testing import run_triton_snippet, triton_launcher
 
 from lamina.device.kernels import Dim3, KernelLauncher
 from lamina.errors import KernelError
-from lamina.plugins import get_registry
-from lamina_cuda.plugin import triton_unusable_reason
 
 
 @pytest.fixture
 def launcher() -> KernelLauncher:
-    """The cuda launcher, with the Triton kernels registered (skips with the reason if not)."""
-    reason = triton_unusable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    launcher = KernelLauncher(get_registry().kernels, "cuda")
-    assert launcher.implementation_name("pack_bucket") == "cuda"
-    assert launcher.implementation_name("scale_accumulate") == "cuda"
-    return launcher
+    """The cuda launcher with the Triton kernels (skips with the backend's reason if not)."""
+    return triton_launcher("pack_bucket", "scale_accumulate")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])

@@ -67,6 +67,10 @@ class Codec(abc.ABC):
     def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         """Write the reduced ``wire`` tensor into ``out`` (the bucket)."""
 
+    def on_backend(self, launcher: KernelLauncher) -> Codec:
+        """This codec, running its kernels (if any) on ``launcher`` unless it names its own."""
+        return self
+
     def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
         """``bucket`` encoded and decoded again (the self-check's probe)."""
         wire = self.encode(bucket)
@@ -129,6 +133,10 @@ class Fp8Codec(Codec):
         self.settings = Fp8Settings(block, error_feedback, error_bound, overflow_at, launcher)
         self.fallback = fallback
 
+    def on_backend(self, launcher: KernelLauncher) -> Fp8Codec:
+        """This codec quantizing with ``launcher``'s kernels, unless it was given a launcher."""
+        return self if self.settings.launcher is not None else self.with_launcher(launcher)
+
     def with_launcher(self, launcher: KernelLauncher) -> Fp8Codec:
         """This codec's settings, running the kernels of ``launcher``."""
         codec = copy.copy(self)
@@ -144,35 +152,32 @@ class Fp8Codec(Codec):
         return Fp8Scatter(self.settings)
 
     def encode(self, bucket: torch.Tensor) -> torch.Tensor:
-        """The e4m3 bits of ``bucket`` padded to whole blocks (exponents dropped: this is
-        for inspection; the reduction runs :meth:`new_sum`)."""
-        return self._quantize(bucket).payload
-
-    def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
-        """Not used: the two-phase sum decodes as it goes."""
-        raise NotImplementedError("fp8 buckets are reduced by Fp8Codec.new_sum()")
-
-    def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
-        """``bucket`` quantized with its block scales and decoded."""
-        decoded = dequantize(self._quantize(bucket), launcher=self.settings.launcher)
-        return decoded[: bucket.numel()].to(bucket.dtype)
-
-    def _quantize(self, bucket: torch.Tensor) -> Quantized:
+        """``bucket`` as one ``uint8`` wire tensor: the e4m3 payload (padded to whole
+        blocks) followed by one exponent byte per block. A collective cannot sum it: the
+        reduction runs :meth:`new_sum`; this form is for the self-check and inspection."""
         padded = torch.zeros(
             padded_numel(bucket.numel(), 1, self.settings.block),
             dtype=torch.float32,
             device=bucket.device,
         )
         padded[: bucket.numel()].copy_(bucket.reshape(-1))
-        return quantize(padded, self.settings.block, launcher=self.settings.launcher)
+        q = quantize(padded, self.settings.block, launcher=self.settings.launcher)
+        return torch.cat([q.payload, q.exponents.view(torch.uint8)])
 
-    def describe(self) -> str:
-        """Its settings, for plans."""
-        feedback = "with" if self.settings.error_feedback else "without"
-        return (
-            f"fp8 e4m3, blocks of {self.settings.block}, {feedback} error feedback, falls back to "
-            f"{self.fallback}"
-        )
+    def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` <- the values of an :meth:`encode` wire tensor."""
+        block = self.settings.block
+        padded = wire.numel() * block // (block + 1)
+        payload, exponents = wire[:padded], wire[padded:].view(torch.int8)
+        decoded = dequantize(Quantized(payload, exponents, block), launcher=self.settings.launcher)
+        out.copy_(decoded[: out.numel()].view_as(out))
+
+    def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
+        """``bucket`` encoded with its block scales and decoded (the wire holds more
+        elements than the bucket: the padding and the exponents)."""
+        out = torch.empty_like(bucket)
+        self.decode(self.encode(bucket), out)
+        return out
 
 
 BUILTIN_CODECS: dict[str, Codec] = {

@@ -27,7 +27,7 @@ from lamina.comm.buckets import (
     plan_buckets,
     ring_all_reduce_cost,
 )
-from lamina.comm.codecs import Codec, Fp8Codec, get_codec, self_check
+from lamina.comm.codecs import Codec, get_codec, self_check
 from lamina.comm.cost import (
     ALGORITHMS,
     AlgorithmChoice,
@@ -89,9 +89,8 @@ class DataParallel(nn.Module):
         self._cap_bytes = None if cap is None else int(cap * MIB)
         first = options.first_bucket_mb
         self._first_bytes = None if first is None else int(first * MIB)
-        self._codec = get_codec(options.codec)
-        if isinstance(self._codec, Fp8Codec) and self._codec.settings.launcher is None:
-            self._codec = self._codec.with_launcher(runtime.kernels)  # the backend's kernels
+        codec = get_codec(options.codec)
+        self._codec = codec.on_backend(runtime.kernels) if codec is not None else None
         self._compile_backend = compile_backend_of(options.compile)
         self._source = self._ranks[0]
         self.graph: CapturedGraph | None = None

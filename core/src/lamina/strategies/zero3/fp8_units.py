@@ -15,15 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lamina.comm.codecs import Codec, Fp8Codec
+from lamina.comm.codecs import Codec, Fp8Codec, get_codec
 from lamina.comm.fp8 import Fp8Scatter, Fp8Sum
+from lamina.device.kernels import KernelLauncher
 from lamina.errors import ConfigError
 
 
-def sharded_codec(spec: str | Codec | None, launcher: Any = None) -> Fp8Codec | None:
-    """The sharded strategies' codec from ``codec=``: None, or fp8 (ConfigError else)."""
-    from lamina.comm.codecs import get_codec
-
+def sharded_codec(
+    spec: str | Codec | None, launcher: KernelLauncher | None = None
+) -> Fp8Codec | None:
+    """The sharded strategies' codec from ``codec=`` (on ``launcher``'s kernels): None,
+    or fp8 (ConfigError else)."""
     codec = get_codec(spec)
     if codec is None:
         return None
@@ -32,9 +34,7 @@ def sharded_codec(spec: str | Codec | None, launcher: Any = None) -> Fp8Codec | 
             f"codec={codec.name!r}: zero3 and hsdp compress gradients with 'fp8' (or an "
             "Fp8Codec) only; the cast codecs (bf16, fp16) are dp's"
         )
-    if codec.settings.launcher is None and launcher is not None:
-        return codec.with_launcher(launcher)
-    return codec
+    return codec if launcher is None else codec.on_backend(launcher)
 
 
 class Fp8UnitCodec:

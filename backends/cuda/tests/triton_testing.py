@@ -1,4 +1,5 @@
-"""Running a Triton snippet in a fresh Python, for the tests that need no GPU."""
+"""What the Triton tests share: the cuda launcher (on a GPU) and a snippet run in a fresh
+Python (for the checks that need no GPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ import subprocess
 import sys
 
 import pytest
+
+from lamina.device.kernels import KernelLauncher
+from lamina.plugins import get_registry
+from lamina_cuda.plugin import triton_unusable_reason
+
+
+def triton_launcher(*kernels: str) -> KernelLauncher:
+    """The cuda launcher, checked to run the Triton versions of ``kernels``; skips with
+    the backend's reason where Triton or a GPU is missing."""
+    reason = triton_unusable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    launcher = KernelLauncher(get_registry().kernels, "cuda")
+    for kernel in kernels:
+        assert launcher.implementation_name(kernel) == "cuda", kernel
+    return launcher
 
 
 def run_triton_snippet(code: str, done: str, *, interpret: bool = False) -> None:
