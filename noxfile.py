@@ -20,6 +20,10 @@ Every backend session also runs its backend's own tests (conformance kit include
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import nox
@@ -27,6 +31,53 @@ import nox
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
+#: uv creates the environments and installs into them when it is installed (`pip install
+#: nox[uv]`, as the README's test command does): several times faster than pip for the
+#: ~6 GB of torch builds the sessions install, and it keeps one cache for all of them.
+nox.options.default_venv_backend = "uv|virtualenv"
+
+
+def pip_setting(name: str) -> list[str]:
+    """The values of pip's configuration key ``name`` (``find-links``, ``constraint``) in
+    every scope pip reads (environment, user, site, global), in pip's own order."""
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    values: list[str] = []
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        if key.rpartition(".")[2] == name:
+            values += [v for v in shlex.split(value.strip("'\"")) if v not in values]
+    return values
+
+
+def uv_follows_pip() -> None:
+    """Give uv the local wheel folders, indexes and constraints pip is configured with,
+    and pip's choice among indexes (the best match over all of them).
+
+    pip reads them from its configuration, uv does not: without them uv would download a
+    CUDA build of torch where a CPU wheel of the pinned release lies on disk, or a release
+    past the machine's cap. Variables already set win.
+    """
+    settings = {
+        "UV_FIND_LINKS": ",".join(v for v in pip_setting("find-links") if os.path.isdir(v)),
+        "UV_EXTRA_INDEX_URL": " ".join(pip_setting("extra-index-url")),
+        "UV_CONSTRAINT": " ".join(v for v in pip_setting("constraint") if os.path.isfile(v)),
+        "UV_INDEX_STRATEGY": "unsafe-best-match",
+    }
+    for variable, value in settings.items():
+        if value and variable not in os.environ:
+            os.environ[variable] = value
+
+
+uv_follows_pip()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ Parts (each recorded with its outcome, so one failure does not hide the others):
   against FSDP2's ``MixedPrecisionPolicy``): median step time and peak device memory of
   each, and its ratio to the plain model;
 - ``shared_device``: the multi-rank tests that run two ranks on one device
-  (``LAMINA_SHARE_DEVICE=1``, collectives on gloo): DP and ZeRO-3 against DDP;
+  (``LAMINA_SHARE_DEVICE=1``, collectives on gloo): DP and ZeRO-3 against DDP, on the
+  backend ``LAMINA_TEST_BACKEND`` names (the test configuration pins ``LAMINA_BACKEND``
+  to cpu for every other test); they fail unless they ran on its device type;
 - ``trace``: ``examples/train_gpt.py`` under ``LAMINA_TRACE``, whose report must count
   every step.
 
@@ -251,7 +253,8 @@ def main() -> None:
     with part(results, "training") as record:
         record.update(training(args.device, steps))
     with part(results, "shared_device") as record:
-        env = {"LAMINA_SHARE_DEVICE": "1", "LAMINA_BACKEND": args.device}
+        env = {"LAMINA_SHARE_DEVICE": "1", "LAMINA_TEST_BACKEND": args.device}
+        record["env"] = env
         record.update(run_pytest(list(SHARED_TESTS), env, timeout=240))
         record["outcome"] = "ok" if record["returncode"] == 0 else "failed"
     with part(results, "trace") as record:

@@ -10,8 +10,11 @@ The training text is cut into windows of ``--seq-len`` tokens; each epoch shuffl
 (``lamina.data.EpochSampler``, seed ``--seed``) and every step each rank takes its
 slice of the next global batch; ``lamina.distribute`` averages the gradients. A resumed
 job carries on from the saved position in the epoch, on any number of ranks, so no
-window is repeated or skipped. Rank 0 shows a progress bar, periodic train/validation
-losses (averaged over all ranks) and a final summary line.
+window is repeated or skipped. Rank 0 says where each attempt starts (fresh, or resumed
+from which step directory, and how many steps are left), shows a progress bar, periodic
+train/validation losses (averaged over all ranks) and a final summary line with the
+number of steps this attempt ran. ``--seed`` seeds every random stream a checkpoint
+records (``lamina.checkpoint.seed_all``), so two runs with one seed save the same bits.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
-from lamina.checkpoint import CheckpointManager
+from lamina.checkpoint import CheckpointManager, seed_all
 from lamina.comm.codecs import Fp8Codec
 from lamina.data import EpochSampler
 from lamina.errors import ConfigError
@@ -142,6 +145,16 @@ def kill_once(directory: str | None, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def attempt_line(start: int, total: int, manager: CheckpointManager | None) -> str:
+    """What this attempt starts from: ``train_gpt: resumed at step 6 of 8 from
+    DIR/step-6: 2 steps to go`` or ``train_gpt: starting fresh at step 0 of 8: 8 steps to
+    go`` (a job restarted by ``lamina run --max-restarts`` prints one per attempt)."""
+    to_go = f"{total - start} steps to go"
+    if manager is not None and manager.resumed_from is not None:
+        return f"train_gpt: resumed at step {start} of {total} from {manager.resumed_from}: {to_go}"
+    return f"train_gpt: starting fresh at step {start} of {total}: {to_go}"
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up to 1, then cosine decay to 0.1 (``step`` counts from 0)."""
     if step < warmup:
@@ -193,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # HSDP places itself on the topology's inter x intra mesh; the others on the flat one
     with lamina.init(mesh="topology" if args.strategy == "hsdp" else "flat") as rt:
         started = time.perf_counter()
-        torch.manual_seed(args.seed)  # the same initial model on every rank
+        # the same initial model on every rank, and every stream a checkpoint records
+        # (torch's, the device's, Python's, NumPy's) seeded: two runs save the same states
+        seed_all(args.seed, rt.handle, rt.device)
         corpus = load_char_corpus(args.corpus_mb)
         cfg = GPTConfig(
             corpus.vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads, args.dropout
@@ -238,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = manager.load_latest(model, optimizer, schedule) or 0
             if start and manager.extra is not None:  # on any number of ranks
                 sampler.load_state_dict(manager.extra["data"])
+        if rt.is_main:
+            print(attempt_line(start, args.max_steps, manager), flush=True)
         tokens_per_step = args.batch_size * args.seq_len * rt.world_size
         if rt.is_main:
             print(
@@ -309,13 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if manager is not None:
             manager.close()  # an async save still being written is committed first
         if rt.is_main and not losses:
-            print(f"done: resumed at step {start} of {args.max_steps}: nothing left to train")
+            print(
+                f"done: resumed at step {start} of {args.max_steps}: nothing left to train | "
+                "this attempt ran 0 steps",
+                flush=True,
+            )
         elif rt.is_main:
             elapsed = time.perf_counter() - started
             print(
                 f"done: {args.max_steps} steps | train loss {losses[0]:.4f} -> {losses[-1]:.4f}"
                 f" | val loss {val_loss:.4f} | {tokens_per_step * len(losses) / train_seconds:,.0f}"
-                f" tok/s | {elapsed:.1f} s",
+                f" tok/s | {elapsed:.1f} s | this attempt ran {len(losses)} steps "
+                f"({start + 1}-{args.max_steps})",
                 flush=True,
             )
     return 0

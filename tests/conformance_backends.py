@@ -2,7 +2,8 @@
 
 ``kit-async`` is an emulated *asynchronous* device on the host CPU, correct in every
 respect. Every other ``kit-*`` backend is the same device with one fault (a constant
-memory figure, a no-op ``wait_stream``, a wrong kernel, corrupted collectives...), named
+memory figure, a no-op ``wait_stream``, a wrong kernel, kernels that flush small outputs
+or denormals to zero, corrupted collectives...), named
 in :data:`BACKENDS`; ``kit-xla-like`` lacks what XLA on PJRT CPU lacks, honestly.
 test_conformance_kit.py installs this module as a lamina plugin through a throwaway
 distribution's entry point, so spawned ranks find it too.
@@ -35,7 +36,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lamina.backends.cpu import CpuBackend, CpuHandle
-from lamina.backends.cpu_kernels import pack_bucket_cat, scale_accumulate_add
+from lamina.backends.cpu_kernels import (
+    fp8_dequantize_table,
+    fp8_quantize_exp2,
+    pack_bucket_cat,
+    scale_accumulate_add,
+)
 from lamina.device.backend import Backend
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
 from lamina.device.kernels import KernelRegistry, LaunchConfig, check_scale_accumulate_args
@@ -398,6 +404,8 @@ BACKENDS: dict[str, KitBackend] = {
         KitBackend("kit-copying-unpack"),
         KitBackend("kit-reference-kernel"),
         KitBackend("kit-misnamed-kernel"),
+        KitBackend("kit-flush-small"),
+        KitBackend("kit-flush-denormals"),
         KitBackend("kit-corrupt-collectives", "corrupt-collectives"),
         KitBackend(
             "kit-partial-collectives",
@@ -443,6 +451,56 @@ def _unpack_copies(
     return list(out)
 
 
+#: Below this magnitude ``kit-flush-small`` writes zeros (the kit's old absolute tolerance).
+FLUSH_SMALL = 1e-6
+#: fp32's smallest normal, 2**-126: ``kit-flush-denormals`` reads and writes zero below it.
+FLUSH_DENORMALS = torch.finfo(torch.float32).tiny
+
+
+def _flush_(value: Any, limit: float) -> Any:
+    """Zero, in place and keeping the sign, every float element under ``limit`` in magnitude
+    of the tensors in ``value`` (views write through to what they view)."""
+    tensors, _ = tree_flatten(value)
+    with torch.no_grad():
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.copy_(torch.where(t.abs() < limit, t * 0, t))
+    return value
+
+
+def _flushing_outputs(fn: Callable[..., Any], limit: float) -> Callable[..., Any]:
+    """Wrong: ``fn``, then what it returns flushed to zero under ``limit`` (as a device
+    whose arithmetic flushes small results, e.g. flush-to-zero on denormals)."""
+
+    @functools.wraps(fn)
+    def flushed(config: LaunchConfig, *args: Any, **kwargs: Any) -> Any:
+        return _flush_(fn(config, *args, **kwargs), limit)
+
+    return flushed
+
+
+def _quantize_reading_denormals_as_zero(
+    config: LaunchConfig, x: torch.Tensor, block: int, *args: Any, **kwargs: Any
+) -> Any:
+    """Wrong: ``fp8_quantize`` of ``x`` with its denormals read as zero (DAZ)."""
+    return fp8_quantize_exp2(config, _flush_(x.clone(), FLUSH_DENORMALS), block, *args, **kwargs)
+
+
+def _register_flushing(registry: KernelRegistry, backend: str, limit: float) -> None:
+    """Every built-in kernel under ``backend``, each the right one but for the flushing."""
+    right: dict[str, Callable[..., Any]] = {
+        "pack_bucket": pack_bucket_cat,
+        "unpack_bucket": registry.spec("unpack_bucket").reference,
+        "scale_accumulate": scale_accumulate_add,
+        "fp8_quantize": fp8_quantize_exp2,  # integer outputs: nothing to flush
+        "fp8_dequantize": fp8_dequantize_table,
+    }
+    if limit == FLUSH_DENORMALS:
+        right["fp8_quantize"] = _quantize_reading_denormals_as_zero
+    for name, fn in right.items():
+        registry.register(name, backend, _flushing_outputs(fn, limit))
+
+
 @hookimpl
 def lamina_register_backends() -> list[Backend]:
     """The test backends of :data:`BACKENDS`."""
@@ -461,3 +519,5 @@ def lamina_register_kernels(registry: KernelRegistry) -> None:
     registry.register("scale_accumulate", "kit-reference-kernel", reference)
     # registered under a name that is not the backend's: launches run the reference
     registry.register("scale_accumulate", "kit-misnamed-kernels", scale_accumulate_add)
+    _register_flushing(registry, "kit-flush-small", FLUSH_SMALL)
+    _register_flushing(registry, "kit-flush-denormals", FLUSH_DENORMALS)

@@ -1,10 +1,13 @@
-"""Every core test starts clean, on the cpu backend."""
+"""Every core test starts clean, on the cpu backend; a test meant to run on the device asks
+for ``device_backend`` (``$LAMINA_TEST_BACKEND``, cpu when unset: ``requested_backend.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+
+from requested_backend import usable_requested_backend
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,3 +26,11 @@ def _core_tests_on_cpu(lamina_clean: None, monkeypatch: pytest.MonkeyPatch) -> N
     session, whatever accelerator backend is installed beside core (``lamina_clean``
     removes launcher variables first)."""
     monkeypatch.setenv("LAMINA_BACKEND", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device_backend() -> str:
+    """The backend ``$LAMINA_TEST_BACKEND`` asks the device tests to run on (cpu when unset;
+    one named but missing or unable to run here fails the test). Such a test starts its
+    ranks on it by name, since ``LAMINA_BACKEND`` stays cpu, and checks that it ran there."""
+    return usable_requested_backend()

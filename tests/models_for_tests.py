@@ -7,9 +7,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
 # the GPT the examples train (examples/ is not a package)
@@ -216,6 +218,32 @@ def shard_grad_diff(sharded: nn.Module, reference: nn.Module, rank: int = 0) -> 
         diff = max(diff, (got - want).abs().max().item())
         scale = max(scale, want.abs().max().item())
     return diff / max(scale, 1e-12)
+
+
+def relative_grad_l2(ours: nn.Module, reference: dict[str, torch.Tensor]) -> float:
+    """``||g - g_ref|| / ||g_ref||`` over every parameter of ``ours`` against ``reference``
+    (whole gradients by parameter name); a missing gradient counts as zeros. A sharded
+    gradient is compared shard by shard against the rows it holds and the sums taken over
+    the ranks (one all-reduce: every rank calls it; HSDP's replicas count each shard
+    once per replica, on both sides). A mean off by a factor (divided twice, summed twice)
+    is off by 0.5 or more."""
+    sums = torch.zeros(2, dtype=torch.float64)
+    sharded = False
+    for name, param in ours.named_parameters():
+        want = reference[name].detach().float()
+        grad = param.grad
+        if isinstance(param, DTensor):
+            sharded = True
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            want = want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad
+        got = grad.detach().float() if grad is not None else torch.zeros_like(want)
+        sums += torch.stack([(got - want).pow(2).sum(), want.pow(2).sum()]).double()
+    if sharded:
+        dist.all_reduce(sums)
+    return float(sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30))
 
 
 @torch.fx.wrap

@@ -4,6 +4,7 @@ world size (in-process ranks), and exact resume of the GPT example after kill -9
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,9 +208,20 @@ GPT_ARGS = [
     "--batch-size", "4", "--eval-every", "100", "--corpus-mb", "0.5",
     "--checkpoint-every", "3", "--dropout", "0.1",
 ]  # fmt: skip
+STEPS = 8
+#: The steps every run commits (``--checkpoint-every 3`` and the last; the default keep=3).
+SAVED_STEPS = (3, 6, 8)
+#: The example's first line of each attempt (``lamina run --max-restarts`` prints them all).
+ATTEMPT = re.compile(r"^train_gpt: (starting fresh|resumed) at step \d+ of \d+")
+#: The example's summary: how many steps this attempt ran, from which to which.
+DONE = re.compile(rf"^done: {STEPS} steps \| .* \| this attempt ran (\d+) steps \((\d+)-(\d+)\)$")
+#: The last line of ``lamina checkpoint diff``.
+VERDICT = re.compile(r"^(\d+)/(\d+) tensors bitwise equal, (\d+)/(\d+) other entries equal; (.*)$")
 
 
-def _train_gpt(directory: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+def _train_gpt(directory: Path, *extra: str, env: dict[str, str] | None = None) -> str:
+    """``lamina run --max-restarts 2`` of the example on 2 ranks; its stdout (every
+    attempt's)."""
     cmd = [sys.executable, "-m", "lamina.cli.main", "run", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "2", str(ROOT / "examples" / "train_gpt.py"), *GPT_ARGS]
     cmd += ["--checkpoint-dir", str(directory), *extra]
@@ -217,65 +229,131 @@ def _train_gpt(directory: Path, *extra: str, env: dict[str, str] | None = None) 
         cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})}
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
 
 
-def _final_state(directory: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _attempts(stdout: str) -> list[list[str]]:
+    """The example's output cut into attempts, each from its ``train_gpt: ... at step``
+    line."""
+    attempts: list[list[str]] = []
+    for line in stdout.splitlines():
+        if ATTEMPT.match(line):
+            attempts.append([])
+        if attempts:
+            attempts[-1].append(line)
+    return attempts
 
-    out = directory.parent / f"{directory.name}.pt"
-    dcp_to_torch_save(str(directory / "step-8"), str(out))
-    state = torch.load(out, weights_only=True)
-    flat: dict[str, Any] = {}
 
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}", item)
-        else:
-            flat[prefix] = value
+def _assert_attempts(stdout: str, directory: Path, resumed: int | None) -> None:
+    """The first attempt started fresh; with ``resumed``, exactly one more attempt said it
+    resumed from ``directory/step-<resumed>`` and ran exactly the steps after it (else the
+    first attempt ran them all)."""
+    attempts = _attempts(stdout)
+    assert len(attempts) == (1 if resumed is None else 2), stdout
+    assert attempts[0][0] == f"train_gpt: starting fresh at step 0 of {STEPS}: {STEPS} steps to go"
+    start = 0
+    if resumed is not None:
+        step_dir = directory / f"step-{resumed}"
+        assert attempts[1][0] == (
+            f"train_gpt: resumed at step {resumed} of {STEPS} from {step_dir}: "
+            f"{STEPS - resumed} steps to go"
+        ), stdout
+        said = [line for line in stdout.splitlines() if "lamina checkpoint: resumed from" in line]
+        assert said == [f"lamina checkpoint: resumed from {step_dir}"], stdout
+        start = resumed
+    done = [m for line in stdout.splitlines() if (m := DONE.match(line))]
+    assert len(done) == 1 and done[0].group(0) in attempts[-1], stdout  # the last attempt's
+    ran, first, last = (int(g) for g in done[0].groups())
+    assert (ran, first, last) == (STEPS - start, start + 1, STEPS), done[0].group(0)
 
-    walk("", state)
-    return flat
+
+def _diff(a: Path, b: Path, step: int, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``lamina checkpoint diff A B --step N`` (the CLI's function, in this process): its
+    exit status and output."""
+    from lamina.cli.main import main
+
+    capsys.readouterr()
+    code = main(["checkpoint", "diff", str(a), str(b), "--step", str(step)])
+    return code, capsys.readouterr().out
+
+
+def _assert_identical(a: Path, b: Path, step: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """``lamina checkpoint diff`` finds every tensor and value of step ``step`` (the model,
+    the optimizer, and each rank's RNG states, scheduler and data position) bitwise equal."""
+    code, out = _diff(a, b, step, capsys)
+    verdict = VERDICT.match(out.splitlines()[-1])
+    assert verdict is not None, out
+    equal, tensors, equal_values, values, said = verdict.groups()
+    assert (code, said) == (0, "identical"), f"step {step}:\n{out}"
+    assert equal == tensors and int(tensors) > 0 and equal_values == values and int(values) > 0
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The example run once without a kill: its checkpoint root and stdout."""
     directory = tmp_path_factory.mktemp("gpt") / "uninterrupted"
-    _train_gpt(directory)
-    return _final_state(directory)
+    return directory, _train_gpt(directory)
+
+
+@pytest.mark.timeout(600)
+def test_an_uninterrupted_run_starts_fresh_and_saves_every_stream(
+    uninterrupted: tuple[Path, str],
+) -> None:
+    from lamina.checkpoint.inspect import load_flat, verify_step
+
+    directory, stdout = uninterrupted
+    _assert_attempts(stdout, directory, None)
+    assert sorted(p.name for p in directory.iterdir()) == [f"step-{s}" for s in SAVED_STEPS]
+    final = directory / f"step-{STEPS}"
+    names = set(load_flat(final, verify_step(final)))
+    for rank in (0, 1):  # what the diffs of the kill tests compare besides DCP's tensors
+        for entry in ("rng.torch", "rng.python", "rng.numpy", "scheduler.last_epoch"):
+            assert f"rank-{rank}.{entry}" in names, entry
+        assert f"rank-{rank}.extra.data.position" in names
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("how", "extra", "env"),
+    ("how", "extra", "env", "resumed"),
     [
-        ("kill -9 rank 1 after step 5", ["--kill-at-step", "5", "--kill-rank", "1"], {}),
+        ("kill -9 rank 1 after step 7", ["--kill-at-step", "7", "--kill-rank", "1"], {}, 6),
         (
             "kill -9 rank 0 before the commit of step 6",
             [],
             {"LAMINA_CHECKPOINT_KILL": "before-commit:0:6"},
+            3,
         ),
         (
-            "kill -9 rank 1 after the shards of an async save of step 3",
+            "kill -9 rank 1 after the shards of an async save of step 6 (step 3 committed)",
             ["--async-save"],
-            {"LAMINA_CHECKPOINT_KILL": "after-shards:1:3"},
+            {"LAMINA_CHECKPOINT_KILL": "after-shards:1:6"},
+            3,
         ),
     ],
     ids=["at-a-step", "during-a-save", "during-an-async-save"],
 )
 def test_a_killed_run_resumes_bitwise_equal_to_an_uninterrupted_one(
-    uninterrupted: dict[str, Any], tmp_path: Path, how: str, extra: list[str], env: dict[str, str]
+    uninterrupted: tuple[Path, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+    extra: list[str],
+    env: dict[str, str],
+    resumed: int,
 ) -> None:
+    """The restarted attempt says it resumed from the last committed step and ran exactly
+    the steps after it; every committed step, RNG states included, is bitwise the
+    uninterrupted run's. The steps up to the kill were written by the first attempt: two
+    uninterrupted runs of the same arguments, which must save the same bits too."""
     directory = tmp_path / "killed"
-    _train_gpt(directory, *extra, env=env)
+    stdout = _train_gpt(directory, *extra, env=env)
     assert any(p.name.startswith(".killed") for p in directory.iterdir()), how
-    resumed = _final_state(directory)
-    assert set(resumed) == set(uninterrupted)
-    for key, value in uninterrupted.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(resumed[key], value), key
-        else:
-            assert resumed[key] == value, key
+    _assert_attempts(stdout, directory, resumed)
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step-")) == [
+        f"step-{s}" for s in SAVED_STEPS
+    ]
+    for step in SAVED_STEPS:  # step <= resumed: the first attempt's; after: the resumed one's
+        _assert_identical(uninterrupted[0], directory, step, capsys)
 
 
 def _hsdp(directory: str, save: bool) -> dict[str, Any]:

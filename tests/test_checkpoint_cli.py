@@ -92,6 +92,12 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 @pytest.mark.timeout(300)
 def test_ls_shows_committed_incomplete_and_bad_steps(saved: dict[str, Path], tmp_path: Path):
     root = _copy(saved, tmp_path)
+    # step 3 written 3 minutes ago: the age shown does not depend on how fast this runs
+    manifest = root / "step-3" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    then = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=3, seconds=5)
+    data["created"] = then.isoformat(timespec="seconds")
+    manifest.write_text(json.dumps(data))
     (root / "step-4.incomplete").mkdir()
     (root / "step-4.incomplete" / "__0_0.distcp").write_bytes(b"x" * 10)
     (root / "step-5").mkdir()
@@ -103,7 +109,7 @@ def test_ls_shows_committed_incomplete_and_bad_steps(saved: dict[str, Path], tmp
     rows = lines[1:]
     assert [r.split()[0] for r in rows] == ["2", "3", "4", "5"]
     assert "complete" in rows[0] and " 2 " in rows[0] and "dp" in rows[0]
-    assert "KiB" in rows[1] and "ago" in rows[1]
+    assert "KiB" in rows[1] and "3 min ago" in rows[1], rows[1]
     assert "incomplete (never committed)" in rows[2]
     assert "bad manifest: not readable JSON" in rows[3]
 

@@ -139,7 +139,9 @@ def test_unknown_backend_is_one_line_and_nothing_starts(rank_script: str) -> Non
     assert "unknown backend 'nope'" in lines[0] and "installed backends:" in lines[0]
     assert "cpu" in lines[0]
     assert "rank=" not in result.stdout
-    assert time.perf_counter() - started < 60
+    # one interpreter start (measured 7-8.5 s at load average 10-11 on 2 cores, 22 s at
+    # 15-17), no ranks
+    assert time.perf_counter() - started < 100
 
 
 @pytest.mark.multiprocess

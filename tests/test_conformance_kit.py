@@ -22,7 +22,12 @@ import torch
 
 from lamina.backends.cpu import CpuHandle
 from lamina.plugins import get_registry
-from lamina.testing.conformance import BackendConformance
+from lamina.testing.conformance import (
+    MANTISSA_BITS,
+    BackendConformance,
+    cpu_flushing_denormals,
+    round_trip_bound,
+)
 
 pytest_plugins = ("pytester",)
 
@@ -203,6 +208,36 @@ def test_a_host_without_a_peak_reset_skips_the_peak_check(monkeypatch: pytest.Mo
         BackendConformance().test_peak_memory_resets(CpuHandle())
 
 
+def test_the_round_trip_bound_is_half_an_ulp_and_catches_truncation() -> None:
+    """2**-mantissa_bits per format; a conversion that truncates instead of rounding exceeds it."""
+    assert {d: round_trip_bound(d) for d in MANTISSA_BITS} == {
+        torch.bfloat16: 2**-8,
+        torch.float16: 2**-11,
+        torch.float8_e4m3fn: 2**-4,
+        torch.float8_e5m2: 2**-3,
+    }
+    for dtype in MANTISSA_BITS:
+        assert round_trip_bound(dtype) == torch.finfo(dtype).eps / 2
+    x = torch.linspace(-2, 2, 100)
+    bound = round_trip_bound(torch.bfloat16) * x.abs()
+    rounded = x.to(torch.bfloat16).float()
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # bf16 by chopping
+    assert bool(((rounded - x).abs() <= bound).all())
+    assert not bool(((truncated - x).abs() <= bound).all())
+
+
+def test_the_cpu_answer_for_a_flushing_device_flushes_on_every_thread() -> None:
+    """``flushes_denormals``: the CPU reference runs with denormals read and written as
+    zero, on every element (one thread), and the CPU is back to normal afterwards."""
+    threads = torch.get_num_threads()
+    x = torch.full((100_000,), 3e-39)  # denormal; past the size torch splits over threads
+    with cpu_flushing_denormals("kit"):
+        assert torch.get_num_threads() == 1
+        assert bool(((x * 1.5) == 0).all())
+    assert torch.get_num_threads() == threads
+    assert bool(((x * 1.5) != 0).all())  # denormal results again
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -300,6 +335,35 @@ def test_kernel_faults_fail_the_kernel_check(pytester: pytest.Pytester, kit_plug
         "skipped",
         "Skipped: kit-misnamed-kernel: scale_accumulate runs the reference "
         "(no kit-misnamed-kernel implementation)",
+    )
+
+
+def test_kernels_that_flush_small_values_fail_the_kernel_check(
+    pytester: pytest.Pytester, kit_plugin: None
+) -> None:
+    """Outputs under 1e-6, or denormals, written as zero: every kernel check fails on them."""
+    small, denormals = "kit-flush-small", "kit-flush-denormals"
+    got = run_kit(pytester, [small, denormals], KERNELS)
+    check = "test_kernel_matches_reference"
+    for backend in (small, denormals):
+        for kernel in ("pack_bucket", "unpack_bucket", "fp8_dequantize"):
+            assert_failed(
+                got[f"{check}[{backend}-{kernel}@{backend}]"],
+                f"{kernel} ({backend} implementation), sample 0: result",
+                "differ from the reference bit for bit",
+            )
+        assert_failed(
+            got[f"{check}[{backend}-scale_accumulate@{backend}]"],
+            f"scale_accumulate ({backend} implementation), sample 0: result",
+            "differ from the reference by more than the bound",
+        )
+    # fp8_quantize writes integers, so flushing its outputs changes nothing (a pass);
+    # reading the denormal block as zero gives other codes and exponents
+    assert got[f"{check}[{small}-fp8_quantize@{small}]"].outcome == "passed"
+    assert_failed(
+        got[f"{check}[{denormals}-fp8_quantize@{denormals}]"],
+        f"fp8_quantize ({denormals} implementation), sample 0: result",
+        "differ from the reference bit for bit",
     )
 
 

@@ -1,9 +1,12 @@
 """``lamina emulate``: hosts in network namespaces joined by shaped links, each starting its
 share of the job through the SLURM launch path; always torn down.
 
-The cluster tests need root (network namespaces) and iproute2; without them they skip
-with that reason. Each rank writes what it saw to a file (ranks of one host share one
-stdout, so printed lines may interleave).
+The cluster tests need network namespaces and iproute2. Once per session,
+``lamina.emulate.probe`` creates and removes a real namespace; where that fails they skip
+with the probe's reason, unless ``$LAMINA_REQUIRE_EMULATE=1`` (``.ci/run`` sets it when
+the same probe succeeds) says the emulator must run here: then they fail, naming why.
+Each rank writes what it saw to a file (ranks of one host share one stdout, so printed
+lines may interleave).
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ import pytest
 
 from lamina.emulate import EmulateOptions, ours, parse_link, remove_stale, task_environments
 from lamina.emulate.cluster import command_argv
+from lamina.emulate.probe import (
+    PROBE_PREFIX,
+    REQUIRE_ENV,
+    emulation_required,
+    probe_namespace_name,
+    unavailable_reason,
+)
 from lamina.errors import ConfigError
 from lamina.testing.cli import run_lamina
 
@@ -196,18 +206,84 @@ def test_malformed_faults_are_named(
     assert str(excinfo.value) == message
 
 
+# -- whether the emulator can run here --------------------------------------------------------
+def skip_or_fail(reason: str | None) -> None:
+    """Nothing when the emulator can run (``reason`` None); else skip with ``reason``, or
+    fail with it where ``$LAMINA_REQUIRE_EMULATE=1`` says the emulator must run here."""
+    if reason is None:
+        return
+    if emulation_required():
+        pytest.fail(f"{REQUIRE_ENV}=1, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def emulator_unavailable() -> str | None:
+    """Why the emulator cannot run here (a real namespace probed once per session), or None."""
+    return unavailable_reason()
+
+
+@pytest.fixture
+def cluster(emulator_unavailable: str | None) -> None:
+    """Skips (or, where required, fails) a test that needs the emulator when it cannot run."""
+    skip_or_fail(emulator_unavailable)
+
+
+needs_cluster = pytest.mark.usefixtures("cluster")
+
+
+def _probe_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [n for n in listed.stdout.split() if n.startswith(PROBE_PREFIX + f"{os.getpid()}-")]
+
+
+def test_the_probe_creates_and_removes_a_namespace_or_names_what_failed() -> None:
+    if shutil.which("ip") is None:
+        assert unavailable_reason() is not None and "needs ip" in str(unavailable_reason())
+        return
+    verdict = unavailable_reason()
+    assert _probe_namespaces() == []  # nothing left behind, whatever the verdict
+    if verdict is not None:
+        assert verdict.startswith("lamina emulate "), verdict
+    # a name `ip` refuses fails the probe for real, naming the command and its error
+    failed = unavailable_reason(namespace="no/such/name")
+    assert failed is not None and "`ip netns add no/such/name` failed (exit" in failed, failed
+    assert _probe_namespaces() == []
+    names = {probe_namespace_name() for _ in range(3)}
+    assert len(names) == 3 and all(n.startswith(f"{PROBE_PREFIX}{os.getpid()}-") for n in names)
+
+
+def _verdict(reason: str | None) -> str:
+    """What :func:`skip_or_fail` does with ``reason``, caught here: a skip raised inside a
+    test would skip this test too, which is what it checks against."""
+    try:
+        skip_or_fail(reason)
+    except pytest.skip.Exception as exc:
+        return f"skip: {exc}"
+    except pytest.fail.Exception as exc:
+        return f"fail: {exc}"
+    return "run"
+
+
+def test_a_required_emulator_turns_the_skip_into_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reason = "lamina emulate cannot create a network namespace here: (the probe's error)"
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    assert (_verdict(None), _verdict(reason)) == ("run", f"skip: {reason}")
+    monkeypatch.setenv(REQUIRE_ENV, "0")
+    assert (_verdict(None), _verdict(reason)) == ("run", f"skip: {reason}")
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    assert (_verdict(None), _verdict(reason)) == (
+        "run",
+        f"fail: LAMINA_REQUIRE_EMULATE=1, but {reason}",
+    )
+    monkeypatch.setenv(REQUIRE_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"^LAMINA_REQUIRE_EMULATE='yes' is not 0 or 1; "):
+        _verdict(reason)
+
+
 # -- on an emulated cluster (root) ---------------------------------------------------------
-def _cluster_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "lamina emulate needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "lamina emulate needs iproute2 (ip, tc)"
-    return None
-
-
-needs_cluster = pytest.mark.skipif(
-    _cluster_unavailable() is not None, reason=_cluster_unavailable() or ""
-)
 
 
 @pytest.fixture
@@ -343,8 +419,14 @@ def test_topo_probe_measures_the_shaped_link_and_groups_ranks_by_host(
     network = topology.link(0, 1)
     assert network.source == "measured" and network.kind == "network"
     assert topology.link(2, 3) == network == topology.default_link
+    # The link is shaped to R = 200 Mbit/s. A token bucket lets no more than R through over
+    # the probe's 8 MiB transfers (its ~100 KiB burst adds ~1%, and headers take their share
+    # of R), so above 1.05 R the shaping is not in force (an unshaped veth measures Gbit/s)
+    # or the rate is wrong; a loaded host may fall below R (measured 191-192 Mbit/s at load
+    # average 5-6 and 13-16 on 2 cores) but not to half of it, unless the rate is wrong.
+    rate = parse_link("200mbit").bits_per_second / 1e6
     mbit = network.bandwidth_gbps * 8e3
-    assert 170 <= mbit <= 230, mbit  # the shaped 200 Mbit/s within 15%
+    assert 0.5 * rate <= mbit <= 1.05 * rate, mbit
     assert topology.link(0, 2).source == "measured" and topology.link(0, 2).kind != "network"
     assert "lamina-h0       lamina-h1       network" in result.stdout
 
@@ -355,9 +437,14 @@ def _after_fault(output: str) -> float:
     return float(line.split("the job ended ")[1].split(" s")[0])
 
 
-#: The watchdog's timeout in the fault tests; the job must end within it + 20 s (measured
-#: here: a cut 16 s after the fault, a kill 3 s; the bound is 3x the cut's).
+#: The watchdog's timeout in the fault tests.
 WATCHDOG_S = 10
+#: Seconds from the fault to the job's end, at most. Measured here on 2 cores, at load
+#: average 5-6 and again at 13-16: a cut 16.3 s (the watchdog's 10 s, then up to 5 s for
+#: the peers to dump), a kill 1.1-1.7 s; this is over 4x the cut's, and far below the 200 s
+#: ``--timeout`` that would end a job no fault handling stopped (exit status 124, which
+#: fails the test too).
+AFTER_FAULT_S = 70
 
 
 @needs_cluster
@@ -397,7 +484,7 @@ def test_a_cut_link_or_a_killed_host_ends_the_job_and_is_named(
     )  # fmt: skip
     assert result.returncode not in (0, 124), result.stdout + result.stderr
     assert "lamina emulate: fault:" in result.stderr
-    assert _after_fault(result.stdout) <= 3 * 16, result.stdout[-2000:]
+    assert _after_fault(result.stdout) <= AFTER_FAULT_S, result.stdout[-2000:]
     diagnosed = run_lamina("trace", "diagnose", str(traces))
     assert diagnosis in diagnosed.stdout, diagnosed.stdout + diagnosed.stderr
 
@@ -419,10 +506,11 @@ def test_a_failing_rank_ends_the_job_and_its_host_log_is_printed(
 
 
 def _has_netem() -> bool:
+    name = probe_namespace_name()  # unique: another run of these tests may probe at once
     probe = subprocess.run(
-        ["sh", "-c", "ip netns add lamina-netem-probe && ip netns exec lamina-netem-probe "
+        ["sh", "-c", f"ip netns add {name} && ip netns exec {name} "
          "tc qdisc add dev lo root netem delay 1ms; status=$?; "
-         "ip netns del lamina-netem-probe; exit $status"],
+         f"ip netns del {name}; exit $status"],
         capture_output=True,
         check=False,
     )  # fmt: skip
@@ -463,7 +551,9 @@ def test_a_run_past_its_timeout_is_stopped(
     )  # fmt: skip
     assert result.returncode == 124, result.stdout + result.stderr
     assert "still running after 25 s; stopping every host" in result.stderr
-    assert time.monotonic() - started < 120
+    # stopped at the timeout, not after the ranks' 600 s sleep (measured 32.5 s in all at
+    # load average 5-6 on 2 cores, 45.9 s at 13-16: 180 s is over 3.9x that)
+    assert time.monotonic() - started < 180
     for record in _records(out).values():  # the sleeping ranks are gone
         with pytest.raises(ProcessLookupError):
             os.kill(int(str(record["pid"])), 0)
@@ -482,6 +572,7 @@ def test_the_next_run_removes_what_a_killed_emulator_left(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    # the ranks started within 13.7-28.4 s at load average 10-15 on 2 cores
     deadline = time.monotonic() + 120
     while len(_records(out)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)

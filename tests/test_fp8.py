@@ -1,5 +1,6 @@
 """FP8 (e4m3) two-phase gradient reduction: block-scaled quantization and the
-all-to-all / all-gather sum, against the fp32 all-reduce on 3 gloo ranks."""
+all-to-all / all-gather sum, against the fp32 all-reduce on 3 gloo ranks, with the bytes
+each hands to ``torch.distributed`` measured (:class:`lamina.testing.WireCounter`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from lamina.comm.fp8 import (
     wire_bytes,
 )
 from lamina.errors import ConfigError
-from lamina.testing import run_ranks
+from lamina.testing import WireCounter, run_ranks
 
 WORLD = 3
 SIZES = (1, 1000, 4099)
@@ -82,15 +83,20 @@ def _reduce_all() -> dict[str, Any]:
         shared = torch.randn(size, generator=torch.Generator().manual_seed(size))
         grad = shared + 0.3 * torch.randn(size, generator=gen)
         exact = grad.clone()
-        dist.all_reduce(exact)
+        with WireCounter() as fp32_wire:
+            dist.all_reduce(exact)
         counts = QuantizationCounts()
-        got = all_reduce_fp8(grad.clone(), counts=counts)
+        with WireCounter() as fp8_wire:
+            got = all_reduce_fp8(grad.clone(), counts=counts)
         gathered = [torch.empty_like(got) for _ in range(WORLD)]
         dist.all_gather(gathered, got)
         out[size] = {
             "error": _relative_l2(got, exact),
             "same_everywhere": all(torch.equal(g, got) for g in gathered),
             "counts": (counts.overflow, counts.underflow),
+            "wire": fp8_wire.by_dtype(),
+            "ops": sorted({r.op for r in fp8_wire.records}),
+            "sent": (fp8_wire.sent(), fp32_wire.sent()),
         }
     out["feedback"] = {ef: _accumulated_error(runtime.rank, ef) for ef in (False, True)}
     return out
@@ -133,6 +139,24 @@ def test_two_phase_sum_is_close_to_fp32_and_equal_on_every_rank(
         assert result[size]["same_everywhere"], rank
         assert result[size]["error"] < 4e-2, (rank, result[size])  # measured 3.1-3.4e-2
         assert result[size]["counts"][0] == 0, rank
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", SIZES)
+def test_the_two_phases_hand_over_bytes_and_exponents_as_counted(
+    results: list[dict[str, Any]], size: int
+) -> None:
+    padded = padded_numel(size, WORLD)
+    for rank, result in enumerate(results):
+        measured = result[size]
+        # the payload (one byte per element, padded to whole blocks in each of the 3
+        # chunks) and one exponent per block, in the all_to_all and again in the gather
+        assert measured["wire"] == {"uint8": 2 * padded, "int8": 2 * padded // BLOCK}, rank
+        assert measured["ops"] == ["all_to_all", "broadcast"], rank  # gloo's gather form
+        fp8, fp32 = measured["sent"]
+        assert abs(fp8 - wire_bytes(size, WORLD)) < 1, (rank, fp8)  # what the formula says
+        if size == 4099:  # 4224 elements after padding: (1 + 1/128) / 4 * 4224 / 4099
+            assert 0.2520 < fp8 / fp32 < 0.2520 * 4224 / 4099 + 1e-4, (rank, fp8 / fp32)
 
 
 @pytest.mark.timeout(180)

@@ -374,6 +374,38 @@ def test_builtin_registry_contents_and_independence() -> None:
     assert impl == REFERENCE and fn is a.spec("unpack_bucket").reference
 
 
+def test_the_kernel_modules_keep_their_public_names() -> None:
+    """The split modules' names stay importable where users import them, as one object."""
+    import lamina
+    import lamina.device.kernels as kernels
+    from lamina.device import bucket_kernels, fp8_kernels, kernel_registry
+
+    assert sorted(kernels.__all__) == sorted(
+        [
+            "REFERENCE",
+            "Dim3",
+            "KernelFn",
+            "KernelLauncher",
+            "KernelRegistry",
+            "KernelSpec",
+            "LaunchConfig",
+            "builtin_registry",
+            "check_scale_accumulate_args",
+            "elementwise_geometry",
+            "prepare_pack_bucket",
+        ]
+    )
+    for name in kernels.__all__:
+        defined_in = bucket_kernels if hasattr(bucket_kernels, name) else kernel_registry
+        if name != "builtin_registry":
+            assert getattr(kernels, name) is getattr(defined_in, name), name
+    assert lamina.Dim3 is kernel_registry.Dim3
+    assert lamina.KernelLauncher is kernel_registry.KernelLauncher
+    specs = {spec.name: spec for spec in (*bucket_kernels.BUCKET_KERNELS, *fp8_kernels.FP8_KERNELS)}
+    registry = builtin_registry()
+    assert {name: registry.spec(name) for name in registry.names()} == specs
+
+
 def test_reregister_replaces() -> None:
     registry = builtin_registry()
     calls: list[str] = []

@@ -223,15 +223,16 @@ def test_the_cli_rejects_a_bad_cluster_before_launching(
 
 
 def test_a_4096_device_prediction_takes_well_under_seconds() -> None:
-    # measured 0.05-0.09 s for both plans on a loaded 2-core machine (each ring is walked
-    # once, then priced in O(1)); 1 s leaves room for a busier machine
+    # this process's CPU time, not the wall clock, which other processes stretch: at load
+    # average 11-17 on 2 cores, six copies at once took 0.18-5.3 s of wall clock but
+    # 0.10-0.12 s of CPU time each; each ring is walked once, then priced in O(1)
     buckets = [int(1.3**i) * 1024 + 128 * i for i in range(40)]
     units = {"(root)": 50_000_000, **{f"blocks.{i}": 12_600_000 + i for i in range(48)}}
-    started = time.perf_counter()
+    started = time.process_time()
     dp = predict(dp_plan(buckets), cluster())
     z3 = predict(zero3_plan(units), cluster())
-    elapsed = time.perf_counter() - started
-    assert elapsed < 1.0, f"took {elapsed:.2f} s"
+    elapsed = time.process_time() - started
+    assert elapsed < 1.0, f"took {elapsed:.2f} s of CPU time"
     assert len(dp.per_step) == 40 and len(z3.per_step) == 49 + 48 + 49
     assert dp.total_s > 0 and z3.total_s > 0
 

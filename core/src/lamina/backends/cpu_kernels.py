@@ -1,8 +1,9 @@
 """Faster CPU implementations of the built-in kernels, registered under backend ``"cpu"``.
 
-They validate with the same helpers as the references in :mod:`lamina.device.kernels`,
-so they reject the same inputs with the same messages, and they are bit-exact against
-the references.
+They validate with the same helpers as the references (:mod:`lamina.device.bucket_kernels`,
+:mod:`lamina.device.fp8_kernels`), so they reject the same inputs with the same messages,
+and they are bit-exact against the references (``scale_accumulate`` too: the same
+``add`` with ``alpha``).
 """
 
 from __future__ import annotations

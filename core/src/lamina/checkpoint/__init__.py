@@ -5,10 +5,19 @@ torch.distributed.checkpoint, and exact resume.
 rank, plus one small file per rank with its RNG states and extra data), fsyncs every
 file, writes a manifest of their sizes and sha256 sums, and commits the step by one
 atomic rename to ``step-<n>/``. A directory without that rename is never loaded.
-See ``docs/checkpoints.md``.
+:func:`seed_all` seeds every random stream a checkpoint records. See
+``docs/checkpoints.md``.
 """
 
 from lamina.checkpoint.manager import CheckpointManager
 from lamina.checkpoint.manifest import MANIFEST, Manifest, read_manifest, verify_files
+from lamina.checkpoint.rng import seed_all
 
-__all__ = ["MANIFEST", "CheckpointManager", "Manifest", "read_manifest", "verify_files"]
+__all__ = [
+    "MANIFEST",
+    "CheckpointManager",
+    "Manifest",
+    "read_manifest",
+    "seed_all",
+    "verify_files",
+]

@@ -26,8 +26,9 @@ before any tensor is read, then loads through DCP (which reshards to this job's 
 size), restores the scheduler, and on the same world size every rank's RNG states;
 :attr:`CheckpointManager.extra` is then this rank's ``extra`` (a rank beyond the saved
 world size gets rank 0's: what a data position equal on every rank, such as
-:class:`lamina.data.EpochSampler`'s state, needs). A killed save leaves
-only an ``.incomplete`` directory, which is never loaded.
+:class:`lamina.data.EpochSampler`'s state, needs), :attr:`CheckpointManager.resumed_from`
+the step directory, and rank 0 prints ``lamina checkpoint: resumed from <dir>/step-<n>``.
+A killed save leaves only an ``.incomplete`` directory, which is never loaded.
 
 Crash tests kill a rank during a save with ``$LAMINA_CHECKPOINT_KILL=POINT:RANK[:STEP]``
 (``POINT`` is ``after-shards`` or ``before-commit``; ``STEP``: only in that step's save,
@@ -169,6 +170,8 @@ class CheckpointManager:
         self.keep = keep
         self.extra: dict[str, Any] | None = None
         self.loaded: Manifest | None = None
+        #: The step directory :meth:`load_latest` resumed from (None: nothing resumed).
+        self.resumed_from: Path | None = None
         self.async_save = bool(async_save)
         self.async_timeout_s = float(async_timeout_s)
         self._group: dist.ProcessGroup | None = None
@@ -377,6 +380,7 @@ class CheckpointManager:
             rng.restore(payload["rng"], *_device())
         self.extra = payload.get("extra")
         self.loaded = manifest
+        self.resumed_from = directory
         if rank == 0:
             resized = "" if same_world else f" (saved on {manifest.world_size} rank(s))"
             print(f"lamina checkpoint: resumed from {directory}{resized}", flush=True)

@@ -58,6 +58,7 @@ __all__ = [
     "Quantized",
     "all_reduce_fp8",
     "dequantize",
+    "handed_bytes",
     "padded_numel",
     "quantize",
     "quantized_bytes",
@@ -158,6 +159,13 @@ def wire_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
     return 2 * (world_size - 1) * quantized_bytes(numel, world_size, block) // world_size
 
 
+def handed_bytes(payload_numel: int, block: int, phases: int) -> dict[str, int]:
+    """Bytes per dtype handed to ``torch.distributed`` for ``payload_numel`` quantized
+    elements (whole blocks) moved in ``phases`` collectives: the ``uint8`` payload and
+    one ``int8`` exponent per block, each in every phase."""
+    return {"uint8": phases * payload_numel, "int8": phases * (payload_numel // block)}
+
+
 @dataclass(frozen=True)
 class Fp8Settings:
     """How fp8 sums quantize and when a rank flags its input: ``block`` elements per
@@ -245,6 +253,13 @@ class Fp8Sum:
         """fp32 bytes of the error-feedback residuals for a buffer of ``numel`` elements."""
         padded = padded_numel(numel, world_size, block)
         return 4 * (padded + padded // world_size)
+
+    @staticmethod
+    def wire(numel: int, world_size: int, block: int = BLOCK) -> dict[str, int]:
+        """Bytes per dtype :meth:`run` hands to ``torch.distributed`` for a buffer of
+        ``numel`` elements: the padded payload and its exponents, in the all_to_all and
+        again in the all-gather (counted as the gathered buffer)."""
+        return handed_bytes(padded_numel(numel, world_size, block), block, phases=2)
 
     def residual_nbytes(self) -> int:
         """Bytes of the residuals held now (none before the first sum)."""
@@ -408,6 +423,14 @@ class Fp8Scatter:
     def residual_bytes(numel: int, world_size: int, block: int = BLOCK) -> int:
         """fp32 bytes of the residual of a buffer of ``numel`` elements (whole slots)."""
         return 4 * world_size * -(-numel // (world_size * block)) * block
+
+    @staticmethod
+    def wire(numel: int, world_size: int, block: int = BLOCK) -> dict[str, int]:
+        """Bytes per dtype :meth:`start` hands to ``torch.distributed`` for a buffer of
+        ``numel`` elements: the payload of ``world_size`` slots padded to whole blocks and
+        its exponents, in one all_to_all."""
+        slot = -(-(numel // world_size) // block) * block
+        return handed_bytes(world_size * slot, block, phases=1)
 
     def residual_nbytes(self) -> int:
         """Bytes of the residual held now."""

@@ -39,6 +39,7 @@ from lamina.comm.buckets import Bucket, BucketPlan
 from lamina.comm.codecs import Codec, Fp8Codec
 from lamina.comm.fp8 import Fp8Channel, Fp8Stats, Fp8Sum, quantized_bytes
 from lamina.device.handle import DeviceHandle, Stream
+from lamina.dtypes import dtype_name
 from lamina.errors import NotSupportedError
 
 
@@ -70,8 +71,12 @@ class _BucketState:
 class CommObserver(Protocol):
     """Hears what the reducer issues (``lamina.runtime.RunLog`` is one)."""
 
-    def collective(self, node_id: str, nbytes: int | None = None) -> AbstractContextManager[Any]:
-        """Wraps issuing plan node ``node_id``'s collective; the handle takes ``.work``."""
+    def collective(
+        self, node_id: str, nbytes: int | None = None, wire: dict[str, int] | None = None
+    ) -> AbstractContextManager[Any]:
+        """Wraps issuing plan node ``node_id``'s collective (``nbytes`` as its op counts
+        it; ``wire``: bytes per dtype handed to ``torch.distributed`` over all its
+        calls); the handle takes ``.work``."""
 
     def fallback(self, node_id: str, alternative: str, reason: str) -> object:
         """Plan node ``node_id`` switched to ``alternative`` at run time."""
@@ -247,7 +252,8 @@ class GradientReducer:
         payload = state.buffer
         if state.codec is not None:
             payload = state.wire = state.codec.encode(state.buffer)
-        with self._traced(state.node, _nbytes(payload)) as handle:
+        wire = self._algorithm_wire(state, payload.numel(), payload.element_size())
+        with self._traced(state.node, _nbytes(payload), {_dtype(payload): wire}) as handle:
             if state.algorithm == "flat" or self._algorithms is None:
                 state.work = dist.all_reduce(payload, group=self.group, async_op=True)
             else:
@@ -265,7 +271,8 @@ class GradientReducer:
             def inter_sum(k: int, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
                 shard.copy_(sums[k].run(shard, group)[: shard.numel()])
 
-            with self._traced(state.node, _nbytes(buffer)) as handle:
+            wire = self._inter_wire(state)
+            with self._traced(state.node, _nbytes(buffer), wire) as handle:
                 state.work = self._algorithms.all_reduce(
                     state.algorithm, result, state.chunks, inter_sum
                 )
@@ -279,16 +286,56 @@ class GradientReducer:
         def run() -> None:
             state.result = sums[0].run(buffer, group)
 
-        with self._traced(state.node, quantized_bytes(buffer.numel(), self.world_size)) as handle:
+        block = sums[0].block
+        nbytes = quantized_bytes(buffer.numel(), self.world_size, block)
+        wire = Fp8Sum.wire(buffer.numel(), self.world_size, block)
+        with self._traced(state.node, nbytes, wire) as handle:
             state.work = self._fp8_channel.submit(run)
             state.trace = handle.event if handle is not None else None
             if handle is not None:
                 handle.work = state.work
 
-    def _traced(self, node: str, nbytes: int) -> AbstractContextManager[Any]:
+    def _traced(
+        self, node: str, nbytes: int, wire: dict[str, int] | None = None
+    ) -> AbstractContextManager[Any]:
+        """Around issuing ``node``'s collective: ``nbytes`` as its op counts them, ``wire``
+        what its calls hand to ``torch.distributed`` (default: one call of ``nbytes``)."""
         if self.observer is None:
             return nullcontext(None)
-        return self.observer.collective(node, nbytes)
+        return self.observer.collective(node, nbytes, wire)
+
+    def _algorithm_wire(self, state: _BucketState, numel: int, element_size: int) -> int:
+        """Bytes the bucket's all-reduce algorithm hands to ``torch.distributed`` for a
+        payload of ``numel`` elements: one all-reduce (``flat``, ``ordered``); per
+        pipeline chunk of ``piece`` elements (padded to whole per-host shards), the
+        intra-host reduce-scatter's input and all-gather's output (``piece`` each) and
+        the inter-host all-reduce of the ``piece / L`` shard (hierarchical, pipelined)."""
+        groups = self._algorithms
+        if state.algorithm in ("flat", "ordered") or groups is None or groups.layout.size == 1:
+            return numel * element_size
+        piece, stages, local = self._pieces(state, numel)
+        return stages * (2 * piece + piece // local) * element_size
+
+    def _pieces(self, state: _BucketState, numel: int) -> tuple[int, int, int]:
+        """``(piece, stages, ranks per host)`` of the hierarchical algorithms' chunks, as
+        :meth:`AlgorithmGroups.all_reduce` cuts a buffer of ``numel`` elements."""
+        assert self._algorithms is not None
+        local = self._algorithms.layout.per_host
+        stages = max(1, state.chunks) if state.algorithm == "pipelined" else 1
+        return -(-numel // (stages * local)) * local, stages, local
+
+    def _inter_wire(self, state: _BucketState) -> dict[str, int]:
+        """Bytes per dtype of the hierarchical all-reduce whose inter-host phase is the
+        fp8 two-phase sum: the intra-host phases in the bucket's dtype, and per chunk the
+        fp8 sum of its ``piece / L`` shard over the hosts."""
+        assert self._algorithms is not None
+        numel, size = state.buffer.numel(), state.buffer.element_size()
+        piece, stages, local = self._pieces(state, numel)
+        hosts = self._algorithms.layout.host_count
+        wire = {_dtype(state.buffer): stages * 2 * piece * size}
+        for dtype, nbytes in Fp8Sum.wire(piece // local, hosts, state.fp8[0].block).items():
+            wire[dtype] = stages * nbytes
+        return wire
 
     def _complete_fp8(self, state: _BucketState) -> None:
         """Use the two-phase sum when it decoded finite, else reduce the bucket exactly
@@ -317,7 +364,7 @@ class GradientReducer:
             why = stats.flagged or "another rank flagged it (or the sum is not finite)"
             self.observer.fallback(state.node, fallback, f"fp8 sum not used: {why}")
         payload = state.buffer if fallback == "fp32" else state.buffer.to(torch.bfloat16)
-        with self._traced(state.node, _nbytes(payload)):  # still holds this rank's share
+        with self._traced(state.node, _nbytes(payload), _one_call(payload)):  # this rank's share
             dist.all_reduce(payload, group=self.group)
         if payload is not state.buffer:
             state.buffer.copy_(payload)
@@ -342,7 +389,7 @@ class GradientReducer:
                 "uncompressed",
                 f"codec {state.codec.name} overflowed: resent uncompressed",
             )
-        with self._traced(state.node, _nbytes(state.buffer)):  # still this rank's share
+        with self._traced(state.node, _nbytes(state.buffer), _one_call(state.buffer)):
             dist.all_reduce(state.buffer, group=self.group)
 
     def _finish_backward(self) -> None:
@@ -394,7 +441,7 @@ class GradientReducer:
             for p in self._stray
         ]
         buffer = torch.cat([*grads, flags]).div_(self.world_size)
-        with self._traced(self._excluded_node, _nbytes(buffer)):
+        with self._traced(self._excluded_node, _nbytes(buffer), _one_call(buffer)):
             dist.all_reduce(buffer, group=self.group)
         used = buffer[-len(self._stray) :].tolist()
         offset = 0
@@ -446,6 +493,15 @@ def _comm_stream(handle: DeviceHandle | None) -> Stream | None:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return dtype_name(tensor.dtype)
+
+
+def _one_call(tensor: torch.Tensor) -> dict[str, int]:
+    """What one collective call of ``tensor`` hands to ``torch.distributed``."""
+    return {_dtype(tensor): _nbytes(tensor)}
 
 
 def _merged(stats: list[Fp8Stats]) -> Fp8Stats:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lamina.device.kernels import Dim3, KernelSpec, LaunchConfig
+from lamina.device.kernel_registry import Dim3, KernelSpec, LaunchConfig
 from lamina.errors import KernelError
 
 __all__ = [

@@ -40,6 +40,12 @@ class GradientCodec(Protocol):
     def commit(self, ok: bool) -> None:
         """Keep (``ok``) or drop the residuals of the last reduction."""
 
+    def wire(self, role: str, numel: int, world: int) -> tuple[int, dict[str, int]]:
+        """The ``role`` collective ("scatter" or "replicate") of ``numel`` elements over
+        ``world`` ranks, for the trace: its size as its op counts it (an all_to_all its
+        input, an all-reduce its buffer), and the bytes per dtype its calls hand to
+        ``torch.distributed``."""
+
     def stats(self) -> dict[str, Any]:
         """What the last reduction saw on this rank (for the trace); ``"flagged"`` says
         why this rank flagged it ('' when it did not)."""

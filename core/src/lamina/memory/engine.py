@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lamina.device.handle import DeviceHandle, Stream
+from lamina.dtypes import dtype_name
 from lamina.memory.compressed import GradientCodec, exact_all_reduce, usable
 from lamina.memory.gather import (
     Primitive,
@@ -56,8 +57,12 @@ from lamina.works import AllWorks
 class GatherObserver(Protocol):
     """Hears every collective a unit issues, by execution-plan node id (the run log)."""
 
-    def collective(self, node_id: str, nbytes: int | None = None) -> AbstractContextManager[Any]:
-        """Wraps issuing plan node ``node_id``'s collective; the handle takes ``.work``."""
+    def collective(
+        self, node_id: str, nbytes: int | None = None, wire: dict[str, int] | None = None
+    ) -> AbstractContextManager[Any]:
+        """Wraps issuing plan node ``node_id``'s collective (``nbytes`` as its op counts
+        it; ``wire``: bytes per dtype handed to ``torch.distributed`` over all its
+        calls); the handle takes ``.work``."""
 
     def begin_backward(self) -> None:
         """Backward started."""
@@ -139,13 +144,27 @@ class UnitState:
             object.__setattr__(self, "_anchor", anchor)
         return anchor
 
-    def traced(self, role: str) -> AbstractContextManager[Any]:
+    def traced(
+        self, role: str, nbytes: int | None = None, wire: dict[str, int] | None = None
+    ) -> AbstractContextManager[Any]:
         """Context around issuing this unit's ``role`` collective ("fwd", "bwd",
-        "scatter", "replicate")."""
+        "scatter", "replicate"): ``nbytes`` as its op counts them and ``wire`` what its
+        calls hand to ``torch.distributed`` (defaults: the plan's, one call)."""
         peers = self.replicas if role == "replicate" else self.layout.world_size
         if self.observer is None or peers == 1:
             return nullcontext(None)
-        return self.observer.collective(self.nodes.get(role, f"{self.layout.name}.{role}"))
+        node = self.nodes.get(role, f"{self.layout.name}.{role}")
+        return self.observer.collective(node, nbytes, wire)
+
+    def _phased(self, buffer_numel: int, dtype: torch.dtype) -> dict[str, int]:
+        """What a hierarchical gather or reduce-scatter of a ``buffer_numel`` buffer
+        hands to ``torch.distributed``: the whole buffer inside the host, and its ``1/L``
+        part across the hosts (``L`` ranks per host); without a hierarchy, one call of
+        the buffer."""
+        size = buffer_numel * dtype.itemsize
+        if self.hierarchy is not None:
+            size += size // len(self.hierarchy.intra_ranks)
+        return {dtype_name(dtype): size}
 
     def start_gather(self, phase: str = "fwd", streams: CommStreams | None = None) -> None:
         """Begin gathering the shard buffers (asynchronously where the backend allows);
@@ -165,7 +184,8 @@ class UnitState:
                 buffer = torch.empty(layout.total_numel, dtype=dtype, device=source.device)
                 _ready_for_comm(streams)  # the shards the optimizer wrote, on compute
                 work: dist.Work | AllWorks | None
-                with _on(streams), self.traced(phase) as handle:
+                wire = self._phased(layout.total_numel, dtype)
+                with _on(streams), self.traced(phase, wire=wire) as handle:
                     if self.hierarchy is not None:
                         in_place = False
                         work = self.hierarchy.gather(source, buffer)
@@ -243,7 +263,12 @@ class UnitState:
         asynchronously, on the communication stream where there is one."""
         primitive = self.scatter_primitive or self.primitive
         _ready_for_comm(streams)
-        with _on(streams), self.traced("scatter") as handle:
+        nbytes: int | None = None
+        if self.codec is not None and self.codec_role == "scatter":
+            nbytes, wire = self.codec.wire("scatter", scatter_in.numel(), self.layout.world_size)
+        else:
+            wire = self._phased(scatter_in.numel(), scatter_in.dtype)
+        with _on(streams), self.traced("scatter", nbytes, wire) as handle:
             if self.codec is not None and self.codec_role == "scatter":
                 work, result = self.codec.start_scatter(scatter_in, self.group)
                 self.codec_trace = handle.event if handle is not None else None
@@ -295,7 +320,7 @@ class UnitState:
             return summed.div_(world)
         wire = scatter_in if self.codec.fallback == "fp32" else scatter_in.to(torch.bfloat16)
         primitive = self.scatter_primitive or self.primitive
-        with _on(streams), self.traced("scatter"):
+        with _on(streams), self.traced("scatter", _nbytes(wire), _one_call(wire)):
             work, result = reduce_scatter_start(wire, self.rank, world, primitive, self.group)
             if work is not None:
                 work.wait()
@@ -305,16 +330,20 @@ class UnitState:
     def _replicate(self, shard_grad: torch.Tensor) -> None:
         """Sum the (pre-averaged) shard gradient across the replicas, in place."""
         codec = self.codec if self.codec_role == "replicate" else None
-        with self.traced("replicate") as handle:
-            if codec is None:
+        if codec is None:
+            with self.traced("replicate", _nbytes(shard_grad), _one_call(shard_grad)):
                 dist.all_reduce(shard_grad, group=self.replicate_group)
-                return
+            return
+        nbytes, wire = codec.wire("replicate", shard_grad.numel(), self.replicas)
+        with self.traced("replicate", nbytes, wire) as handle:
             summed = codec.all_reduce(shard_grad, self.replicate_group)
             self.codec_trace = handle.event if handle is not None else None
         if self._codec_result(usable(summed), "replicate"):
             shard_grad.copy_(summed[: shard_grad.numel()])
             return
-        with self.traced("replicate"):
+        dtype = shard_grad.dtype if codec.fallback == "fp32" else torch.bfloat16
+        exact = {dtype_name(dtype): shard_grad.numel() * dtype.itemsize}
+        with self.traced("replicate", sum(exact.values()), exact):
             exact_all_reduce(shard_grad, self.replicate_group, codec.fallback)
 
     def _codec_result(self, ok: bool, role: str) -> bool:
@@ -428,6 +457,15 @@ def _wait(streams: CommStreams | None, event: Any) -> None:
 def _wait_comm(streams: CommStreams | None) -> None:
     if streams is not None:
         streams.compute.wait_stream(streams.comm)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _one_call(tensor: torch.Tensor) -> dict[str, int]:
+    """What one collective call of ``tensor`` hands to ``torch.distributed``."""
+    return {dtype_name(tensor.dtype): _nbytes(tensor)}
 
 
 def _local_of(tensor: torch.Tensor) -> torch.Tensor:

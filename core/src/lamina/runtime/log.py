@@ -67,22 +67,31 @@ class RunLog:
             recorder.step = self.current.step
 
     @contextmanager
-    def collective(self, node_id: str, nbytes: int | None = None) -> Iterator[IssueHandle]:
+    def collective(
+        self, node_id: str, nbytes: int | None = None, wire: dict[str, int] | None = None
+    ) -> Iterator[IssueHandle]:
         """Around issuing the collective of ``node_id``: counts it and traces it (the
-        caller sets ``handle.work`` to the async work it got, if any)."""
+        caller sets ``handle.work`` to the async work it got, if any). ``nbytes`` is its
+        size as the op counts it (default: the plan's), ``wire`` the bytes per dtype it
+        hands to ``torch.distributed`` over all its calls (default: one call of
+        ``nbytes`` in the plan's wire dtype); a codec or an algorithm in phases passes
+        both."""
         self.issued(node_id, nbytes)
         recorder = get_recorder()
         spec = self.plan.node(node_id).collective
         if recorder is None or spec is None:
             yield IssueHandle(None)
             return
+        size = spec.nbytes if nbytes is None else nbytes
+        dtype = spec.wire_dtype or spec.dtype
         with recorder.collective(
             op=spec.op,
             group=spec.group,
-            dtype=spec.wire_dtype or spec.dtype,
+            dtype=dtype,
             numel=spec.numel,
-            nbytes=spec.nbytes if nbytes is None else nbytes,
+            nbytes=size,
             node=node_id,
+            wire={dtype: size} if wire is None else wire,
         ) as handle:
             yield handle
 

@@ -80,11 +80,15 @@ def _rank_main(
     args: tuple[Any, ...],
     env: dict[str, str],
     results: Any,
+    threads: int,
 ) -> None:
     os.environ.clear()  # the caller's environment now, not the forkserver's at its start
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
+        import torch
+
+        torch.set_num_threads(threads)
         value = fn(*args)
     except BaseException as exc:
         kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
@@ -119,6 +123,7 @@ def run_ranks(
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     timeout: float = 120.0,
     start_method: str | None = None,
+    threads: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks and return their results by rank.
 
@@ -127,9 +132,16 @@ def run_ranks(
     Raises :class:`RankFailure` for the first rank that fails and :class:`RankTimeout`
     when ``timeout`` seconds pass; in both cases every rank is killed first.
     ``start_method`` is ``"forkserver"`` (the default where available) or ``"spawn"``.
+    ``threads`` is each rank's torch thread count; by default the machine's cores are
+    shared among the ranks (at least one each), so ranks do not spin against each other
+    on an oversubscribed CPU (torchrun sets ``OMP_NUM_THREADS=1`` for the same reason).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    elif threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     ctx = _context(start_method)
     results = ctx.Queue()
     port = free_port()
@@ -146,7 +158,9 @@ def run_ranks(
             **(env or {}),
             **(rank_env(rank) if rank_env else {}),
         }
-        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_vars, results), daemon=True)
+        proc = ctx.Process(
+            target=_rank_main, args=(fn, args, rank_vars, results, threads), daemon=True
+        )
         proc.start()
         procs.append(proc)
     try:

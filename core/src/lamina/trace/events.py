@@ -54,11 +54,21 @@ class CollectiveEvent:
     source: str = "lamina"
     #: a compressed collective's statistics (fp8: counts, errors, whether it was used)
     codec: dict[str, Any] | None = None
+    #: what this rank handed to ``torch.distributed`` for it, bytes per dtype name, over
+    #: every call it made (each phase of a multi-phase algorithm or codec; a call counts
+    #: as ``bytes`` does); None where the recorder was not told
+    wire: dict[str, int] | None = None
 
     @property
     def seconds(self) -> float | None:
         """Issue to completion, or None while pending."""
         return None if self.end_ns is None else (self.end_ns - self.issue_ns) / 1e9
+
+    @property
+    def wire_bytes(self) -> int | None:
+        """Bytes this rank handed to ``torch.distributed`` for it, every dtype (None: not
+        recorded)."""
+        return None if self.wire is None else sum(self.wire.values())
 
     def describe(self) -> str:
         """``#12 bucket3.all_reduce (all_reduce float32 x 1024, 4096 B, group [0, 1])``."""

@@ -85,6 +85,7 @@ def _rank_events(rank: int, trace: RankTrace, origin: int) -> list[dict[str, Any
             dtype=e.dtype,
             numel=e.numel,
             bytes=e.bytes,
+            wire=e.wire,
             group=list(e.group),
             step=e.step,
             source=e.source,

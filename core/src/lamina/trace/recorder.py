@@ -106,8 +106,10 @@ class TraceRecorder:
         nbytes: int,
         node: str,
         source: str = "lamina",
+        wire: dict[str, int] | None = None,
     ) -> Iterator[IssueHandle]:
-        """Record one collective around its issue; set ``handle.work`` for an async one."""
+        """Record one collective around its issue; set ``handle.work`` for an async one.
+        ``wire``: the bytes per dtype it hands to ``torch.distributed``, over all its calls."""
         if not self.enabled:
             yield IssueHandle(None)
             return
@@ -126,6 +128,7 @@ class TraceRecorder:
                 self.step,
                 time.time_ns(),
                 source=source,
+                wire=dict(wire) if wire is not None else None,
             )
             self._collectives.append(event)
             self.recorded += 1

@@ -123,7 +123,7 @@ def _wrap(original: Callable[..., Any], op: str, sized: str | None) -> Callable[
         group = _group_ranks(bound.arguments.get("group"))
         if group is None:
             return original(*args, **kwargs)
-        dtype, numel, nbytes = _size(bound.arguments.get(sized) if sized else None)
+        dtype, numel, nbytes, wire = _size(bound.arguments.get(sized) if sized else None)
         _LOCAL.depth = _depth() + 1
         try:
             with recorder.collective(
@@ -134,6 +134,7 @@ def _wrap(original: Callable[..., Any], op: str, sized: str | None) -> Callable[
                 nbytes=nbytes,
                 node="user",
                 source="user",
+                wire=wire,
             ) as handle:
                 if handle.event is not None:
                     handle.event.source = "user"  # whatever the recorder version stamps
@@ -176,12 +177,15 @@ def _group_ranks(group: Any) -> tuple[int, ...] | None:
         return None
 
 
-def _size(value: Any) -> tuple[str, int, int]:
-    """``(dtype, numel, bytes)`` of a tensor or a list of tensors."""
+def _size(value: Any) -> tuple[str, int, int, dict[str, int]]:
+    """``(dtype, numel, bytes, bytes per dtype)`` of a tensor or a list of tensors."""
     tensors = [value] if isinstance(value, torch.Tensor) else list(value or [])
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if not tensors:
-        return "none", 0, 0
+        return "none", 0, 0, {}
     numel = sum(t.numel() for t in tensors)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return dtype_name(tensors[0].dtype), numel, nbytes
+    wire: dict[str, int] = {}
+    for t in tensors:
+        name = dtype_name(t.dtype)
+        wire[name] = wire.get(name, 0) + t.numel() * t.element_size()
+    return dtype_name(tensors[0].dtype), numel, sum(wire.values()), wire

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lamina.comm.codecs import Codec, Fp8Codec, get_codec
-from lamina.comm.fp8 import Fp8Scatter, Fp8Sum
+from lamina.comm.fp8 import Fp8Scatter, Fp8Sum, quantized_bytes
 from lamina.device.kernels import KernelLauncher
 from lamina.errors import ConfigError
 
@@ -42,6 +42,7 @@ class Fp8UnitCodec:
 
     def __init__(self, codec: Fp8Codec) -> None:
         self.fallback = codec.fallback
+        self._block = codec.settings.block
         self._scatter = codec.new_scatter()
         self._sum = codec.new_sum()
         self._last: Fp8Scatter | Fp8Sum = self._scatter
@@ -61,6 +62,14 @@ class Fp8UnitCodec:
     def commit(self, ok: bool) -> None:
         """Keep (``ok``) or drop the last reduction's residuals."""
         self._last.commit(ok)
+
+    def wire(self, role: str, numel: int, world: int) -> tuple[int, dict[str, int]]:
+        """The fp8 ``role`` collective's size (the all_to_all's input; the quantized
+        buffer of the two-phase sum, as an all-reduce counts it) and its calls' bytes."""
+        if role == "scatter":
+            handed = Fp8Scatter.wire(numel, world, self._block)
+            return sum(handed.values()), handed
+        return quantized_bytes(numel, world, self._block), Fp8Sum.wire(numel, world, self._block)
 
     def stats(self) -> dict[str, Any]:
         """The last reduction's statistics on this rank."""

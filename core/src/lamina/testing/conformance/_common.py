@@ -1,4 +1,4 @@
-"""Shared pieces of the conformance kit: capability calls, tensor comparison."""
+"""Shared pieces of the conformance kit: capability calls, copies and storage of arguments."""
 
 from __future__ import annotations
 
@@ -76,28 +76,3 @@ def aliasing_of(result: Any, inputs: Any) -> list[bool] | None:
     if None in held or None in out:
         return None
     return [ptr in held for ptr in out]
-
-
-def assert_close(got: Any, want: Any, what: str) -> None:
-    if isinstance(want, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(want), (
-            f"{what}: got {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'}"
-            f" items, the reference gives {len(want)}"
-        )
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_close(g, w, f"{what}[{i}]")
-        return
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), f"{what}: keys differ"
-        for key in want:
-            assert_close(got[key], want[key], f"{what}[{key!r}]")
-        return
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{what}: got {type(got).__name__}, want a Tensor"
-        assert got.shape == want.shape and got.dtype == want.dtype, (
-            f"{what}: got {got.dtype}{tuple(got.shape)}, the reference gives "
-            f"{want.dtype}{tuple(want.shape)}"
-        )
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
-        return
-    assert got == want, f"{what}: got {got!r}, the reference gives {want!r}"
