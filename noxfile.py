@@ -3,7 +3,8 @@
 Each backend session gets its own torch build, because one torch build carries one
 accelerator (torch_npu refuses a CUDA build, torch_xla needs its own torch release).
 Sessions: lint (ruff), typecheck (mypy), tests(<backend>), train (the README's main job:
-the GPT example on 2 ranks), smoke (a 2-rank all-reduce).
+the GPT example on 2 ranks), finetune (the LoRA example under dp, zero3 and hsdp), smoke
+(a 2-rank all-reduce).
 
 Which core tests (``tests/``) each backend session runs, by marker (declared in
 pyproject.toml, set per module with ``pytestmark``):
@@ -13,7 +14,11 @@ pyproject.toml, set per module with ``pytestmark``):
   installed backends (imports and plugins, graph capture, kernels, streams, DP and ZeRO-3
   equivalence with DDP, plan and verify, trace), and every test that starts real ranks,
   so that the equivalence and multi-process tests run on a second torch release (2.9).
-- ``tests(cuda)``, ``tests(npu)``: ``portable``.
+- ``tests(cuda)``: ``portable`` (on torch 2.14, the newest release).
+- ``tests(npu)``: ``portable and not multiprocess``: torch_npu installed beside the same
+  CPU torch as ``tests(cpu)``, so the ranks' tests would repeat that session's exactly;
+  what differs is what an installed but unusable vendor package does to imports, plugin
+  discovery and backend selection.
 
 Every backend session also runs its backend's own tests (conformance kit included).
 """
@@ -98,6 +103,8 @@ class BackendSession:
     env: dict[str, str] = field(default_factory=dict)
     #: pytest ``-m`` expression selecting the core tests to run (None: all of them).
     core_tests: str | None = "portable"
+    #: Extras of lamina-core installed beside it.
+    extras: str = "test"
 
 
 BACKENDS: dict[str, BackendSession] = {
@@ -106,6 +113,8 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["plugins/template_backend"],
         test_paths=["plugins/template_backend/tests"],
         core_tests=None,
+        # transformers and peft: the fine-tuning tests train a Hugging Face Llama with LoRA
+        extras="test,examples",
     ),
     # CUDA build of torch (brings triton); runs everything that needs no GPU here and the
     # whole backend suite (conformance, Triton kernels, live NVML) on a GPU machine.
@@ -129,6 +138,7 @@ BACKENDS: dict[str, BackendSession] = {
         torch=["torch==2.13.0", "torch_npu==2.13.0"],
         packages=["backends/npu"],
         test_paths=["backends/npu/tests"],
+        core_tests="portable and not multiprocess",
     ),
 }
 
@@ -150,7 +160,7 @@ TYPED_PACKAGES = [
 def install_for(session: nox.Session, spec: BackendSession) -> None:
     """torch for the backend first (pinned), then core and the backend packages editable."""
     session.install(*spec.torch)
-    session.install("-e", "core[test]")
+    session.install("-e", f"core[{spec.extras}]")
     for package in spec.packages:
         session.install("-e", package)
 
@@ -179,7 +189,7 @@ def tests(session: nox.Session, backend: str) -> None:
     install_for(session, spec)
     session.run("lamina", "info", env=spec.env)
     select = ["-m", spec.core_tests] if spec.core_tests else []
-    core = ["pytest", "-ra", "--durations=5", *PARALLEL, *select, "tests", *session.posargs]
+    core = ["pytest", "-ra", "--durations=30", *PARALLEL, *select, "tests", *session.posargs]
     session.run(*core, env=spec.env)
     # The backend's own tests verbosely, so the log shows each check that ran or skipped.
     session.run("pytest", "-v", "-ra", *spec.test_paths, *session.posargs, env=spec.env)
@@ -200,6 +210,24 @@ def train(session: nox.Session) -> None:
         "2",
         "examples/train_gpt.py",
         *(session.posargs or ["--max-steps", "200"]),
+    )
+
+
+@nox.session
+def finetune(session: nox.Session) -> None:
+    """examples/finetune_lora.py for a few steps under dp, zero3 and hsdp: the loss must
+    fall and the saved adapters must load back with peft (tests/test_finetuning.py's
+    example test, which tests(cpu) runs for dp only)."""
+    install_for(session, BACKENDS["cpu"])
+    session.run(
+        "pytest",
+        "-v",
+        "-ra",
+        "tests/test_finetuning.py",
+        "-k",
+        "example",
+        *session.posargs,
+        env={"LAMINA_FINETUNE_STRATEGIES": "dp,zero3,hsdp"},
     )
 
 

@@ -24,7 +24,7 @@ from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan
 from lamina.runtime.primitives import choose_primitive
 from lamina.strategies import Placement
-from lamina.strategies.dp import DataParallel
+from lamina.strategies.dp import replicate_module
 from lamina.strategies.dp.compiled import compile_backend_of
 from lamina.strategies.zero3 import shard_module
 from lamina.trace import recorder as rec
@@ -142,9 +142,9 @@ def test_data_parallel_without_init_says_to_call_init() -> None:
     lamina.shutdown()  # a runtime kept past shutdown: its process group is gone
     assert not dist.is_initialized()
     with pytest.raises(ConfigError) as excinfo:
-        DataParallel(_net(), runtime)
+        replicate_module(_net(), runtime)
     assert _message(excinfo) == (
-        "DataParallel needs torch.distributed; call lamina.init() before distribute()"
+        "strategy 'dp' needs torch.distributed; call lamina.init() before distribute()"
     )
 
 
@@ -159,14 +159,15 @@ def test_bucket_sizes_must_be_positive(options: dict[str, Any], shown: str) -> N
     assert _message(excinfo) == f"bucket_cap_mb and first_bucket_mb must be > 0, {shown}"
 
 
-def test_no_sync_before_the_first_forward_says_what_to_do() -> None:
+def test_a_model_distributed_twice_is_refused() -> None:
+    # (no_sync() before the first forward is no error any more: tests/test_dp_in_place.py)
     lamina.init()
-    model: Any = lamina.distribute(_net(), "dp")  # no example inputs: nothing planned yet
-    with pytest.raises(ConfigError) as excinfo, model.no_sync():
-        pass
-    message = _message(excinfo)
-    assert message.startswith("no_sync() before the first forward: nothing is planned yet")
-    assert "run one forward first or pass example_inputs to lamina.distribute()" in message
+    model = lamina.distribute(_net(), "dp")
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(model, "dp")
+    assert _message(excinfo) == (
+        "this Sequential is already distributed with 'dp'; distribute the model once"
+    )
 
 
 # -- strategies/dp/compiled.py --------------------------------------------------------------------
@@ -191,8 +192,17 @@ def test_distributing_a_sharded_model_again_says_to_do_it_once() -> None:
     model = _zero3()
     with pytest.raises(ConfigError) as excinfo:
         lamina.distribute(model, "zero3")
+    assert _message(excinfo) == ("this Sequential is already sharded; distribute the model once")
+
+
+def test_sharding_a_data_parallel_model_says_to_pick_one_strategy() -> None:
+    lamina.init()
+    model = lamina.distribute(_net(), "dp")
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(model, "zero3")
     assert _message(excinfo) == (
-        "this ShardedSequential is already sharded; distribute the model once"
+        "this Sequential is already distributed (it has an execution_plan); distribute "
+        "the model once, with one strategy"
     )
 
 
@@ -232,16 +242,27 @@ def test_load_state_dict_without_a_parameter_names_it() -> None:
     assert 'Missing key(s) in state_dict: "2.weight"' in str(excinfo.value)
 
 
-def test_load_state_dict_of_plain_tensors_names_each_parameter() -> None:
-    """As with FSDP2: a full (plain) state dict goes through set_model_state_dict; the
-    module's own load_state_dict takes DTensors and names every parameter it cannot copy."""
+def test_load_state_dict_of_a_full_state_dict_loads_each_rows_and_names_a_bad_shape() -> None:
+    """A full (plain) state dict loads through the module's own load_state_dict (each rank
+    takes its rows); a plain value of the wrong shape is named by torch's size check, and
+    ``assign=True``, which would replace the shard views, is one line."""
     model = _zero3()
+    other = _net()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    model.load_state_dict(other.state_dict(), strict=True)
+    for name, value in other.state_dict().items():
+        assert torch.equal(model.state_dict()[name].full_tensor(), value), name
+    wrong = dict(other.state_dict(), **{"2.weight": torch.zeros(3, 8)})
     with pytest.raises(RuntimeError) as excinfo:
-        model.load_state_dict(_net().state_dict(), strict=True)
-    message = str(excinfo.value)
-    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
-        assert f'While copying the parameter named "{name}"' in message
-    assert "mixed torch.Tensor and DTensor" in message
+        model.load_state_dict(wrong, strict=True)
+    assert "size mismatch for 2.weight" in str(excinfo.value)
+    with pytest.raises(ConfigError) as config_error:
+        model.load_state_dict(other.state_dict(), assign=True)
+    assert _message(config_error).startswith(
+        "load_state_dict(assign=True) would replace a zero3 model's sharded parameters"
+    )
 
 
 # -- session.py -------------------------------------------------------------------------------

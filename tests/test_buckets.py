@@ -130,7 +130,7 @@ def _mlp_specs(width: int, layers: int = 4) -> tuple[list[ParamSpec], list[str]]
 
 
 def _auto_plan(specs: list[ParamSpec], order: list[str], **cost: float) -> BucketPlan:
-    """What DataParallel.prepare() plans with bucket_cap_mb=None (default first 1 MiB)."""
+    """What dp's planner plans with bucket_cap_mb=None (default first 1 MiB)."""
     return plan_buckets(specs, order, cap_bytes=auto_bucket_cap(specs, **cost), **cost)
 
 

@@ -169,7 +169,7 @@ def test_a_damaged_file_is_named_before_any_tensor_is_read(
 @pytest.mark.timeout(240)
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(copy_of: Path) -> None:
     message = run_ranks(_load_error, 2, args=(str(copy_of), 32), timeout=120)[0]
-    assert "tensor 'module.0.bias' is [16] float32 there and [32] float32 here" in message
+    assert "tensor '0.bias' is [16] float32 there and [32] float32 here" in message
 
 
 @pytest.mark.timeout(240)

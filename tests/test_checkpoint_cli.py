@@ -198,7 +198,7 @@ def test_diff_of_two_steps_reports_the_differences(saved: dict[str, Path], capsy
     a_dir, b_dir = saved["dp"] / "step-2", saved["dp"] / "step-3"
     rows = diff_states(load_flat(a_dir, verify_step(a_dir)), load_flat(b_dir, verify_step(b_dir)))
     by_name = {r.name: r for r in rows}
-    assert by_name["model.module.0.weight"].status == "differs"
+    assert by_name["model.0.weight"].status == "differs"
     assert by_name["optim.param_groups.0.lr"].equal
 
 

@@ -327,7 +327,7 @@ def _compile_job(rank: int) -> dict[str, dict[str, Any]]:
             "events": list(wrapped.run_log.events),
             "fallbacks": _fallbacks(plan, "forward"),
             "mode": plan.node("forward").attr("mode"),
-            "failed": wrapped._forward.failed if wrapped._forward is not None else None,
+            "failed": compiled.failed if (compiled := wrapped.lamina_dp.compiled) else None,
             "params": _params(wrapped.module),
         }
     return out

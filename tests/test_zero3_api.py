@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
-from lamina.strategies.dp import DataParallel
+from lamina.strategies.dp import DataParallelModule
 from lamina.testing import run_ranks
 from models_for_tests import batch, build, differs_from_rank0, loss_of, shard_grad_diff
 
@@ -131,7 +131,7 @@ def _optimizer_groups(model: nn.Module, grouping: str) -> list[tuple[list[str], 
     weight decay); names are the unwrapped model's."""
     import train_gpt  # examples/ is on sys.path through models_for_tests
 
-    inner = model.module if isinstance(model, DataParallel) else model
+    inner = model.module if isinstance(model, DataParallelModule) else model
     names = {id(p): n for n, p in inner.named_parameters()}
     if grouping == "shape":
         args = argparse.Namespace(lr=1e-3, weight_decay=WEIGHT_DECAY)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lamina.checkpoint.files import INCOMPLETE_DIR, STEP_DIR, committed_steps, step_dir
+from lamina.checkpoint.legacy import WRAPPER
 from lamina.checkpoint.manifest import MANIFEST, Manifest, read_manifest, verify_files
 from lamina.errors import ConfigError
 
@@ -262,14 +263,14 @@ def load_flat(directory: Path, manifest: Manifest) -> dict[str, Any]:
 
 
 # -- diff ------------------------------------------------------------------------------------
-WRAPPER = "module."
 
 
 def unwrap_names(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``flat`` with the ``module.`` of lamina's DP wrapper dropped from the parameter
-    names (``model.module.<p>`` -> ``model.<p>``, ``optim.state.module.<p>...`` ->
-    ``optim.state.<p>...`` and in ``optim.param_groups.<i>.params``) when every model
-    entry has it, so that a DP checkpoint compares with a ZeRO-3 one; else ``flat``."""
+    """``flat`` with the ``module.`` of a wrapper (lamina's dp before it extended models in
+    place, torch DDP) dropped from the parameter names (``model.module.<p>`` ->
+    ``model.<p>``, ``optim.state.module.<p>...`` -> ``optim.state.<p>...`` and in
+    ``optim.param_groups.<i>.params``) when every model entry has it, so that such a
+    checkpoint compares with one of the model itself; else ``flat``."""
     model = [n for n in flat if n.startswith(MODEL_PREFIX)]
     if not model or not all(n.startswith(MODEL_PREFIX + WRAPPER) for n in model):
         return dict(flat)
@@ -389,8 +390,9 @@ def diff_states(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[DiffRow]:
 # -- export ----------------------------------------------------------------------------------
 def model_state(flat: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The model's tensors under their original parameter names (``model.`` removed, and
-    ``module.`` when every name has it: lamina's DP wrapper keeps the model as
-    ``.module``), and the names of the model's non-tensor entries (skipped)."""
+    ``module.`` when every name has it: a checkpoint of a wrapped model, such as lamina's
+    dp wrote before it extended models in place), and the names of the model's
+    non-tensor entries (skipped)."""
     tensors: dict[str, torch.Tensor] = {}
     skipped = []
     for name, value in flat.items():

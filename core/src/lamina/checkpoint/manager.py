@@ -23,7 +23,9 @@ most ``async_timeout_s``.
 ``load_latest`` takes the newest committed step, checks the manifest, the model's tensor
 names and shapes and every file's size and sha256 (the files split across the ranks)
 before any tensor is read, then loads through DCP (which reshards to this job's world
-size), restores the scheduler, and on the same world size every rank's RNG states;
+size; a checkpoint whose names carry the ``module.`` of the wrapper ``dp`` used before it
+extended models in place loads with the names mapped, :mod:`lamina.checkpoint.legacy`),
+restores the scheduler, and on the same world size every rank's RNG states;
 :attr:`CheckpointManager.extra` is then this rank's ``extra`` (a rank beyond the saved
 world size gets rank 0's: what a data position equal on every rank, such as
 :class:`lamina.data.EpochSampler`'s state, needs), :attr:`CheckpointManager.resumed_from`
@@ -41,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -60,7 +63,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from lamina.checkpoint import rng
+from lamina.checkpoint import legacy, rng
 from lamina.checkpoint.files import (
     committed_steps,
     fsync_dir,
@@ -355,7 +358,10 @@ class CheckpointManager:
         directory = step_dir(self.root, steps[-1])
         manifest = read_manifest(directory)
         model_state, optim_state = get_state_dict(model, optimizer)
-        difference = first_model_difference(manifest, tensor_specs(model_state), directory)
+        specs = tensor_specs(model_state)
+        prefix = legacy.wrapper_prefix(manifest.tensors, specs)
+        own_names = dataclasses.replace(manifest, tensors=legacy.strip(manifest.tensors, prefix))
+        difference = first_model_difference(own_names, specs, directory)
         if difference:
             raise ConfigError(difference)
         names = sorted(manifest.files)
@@ -369,8 +375,12 @@ class CheckpointManager:
         problems = [p for p in _gather(problem) if p]
         if problems:
             raise ConfigError(problems[0])
-        dcp_load({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        saved = legacy.as_saved({"model": model_state, "optim": optim_state}, prefix)
+        dcp_load(saved, checkpoint_id=str(directory))
+        loaded = legacy.as_model(saved, prefix)
+        set_state_dict(
+            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        )
         same_world = manifest.world_size == world
         own = directory / f"rank-{rank if rank < manifest.world_size else 0}.pt"
         payload = torch.load(own, weights_only=True)
@@ -383,7 +393,8 @@ class CheckpointManager:
         self.resumed_from = directory
         if rank == 0:
             resized = "" if same_world else f" (saved on {manifest.world_size} rank(s))"
-            print(f"lamina checkpoint: resumed from {directory}{resized}", flush=True)
+            mapped = f" ({prefix!r} of the saved names dropped)" if prefix else ""
+            print(f"lamina checkpoint: resumed from {directory}{resized}{mapped}", flush=True)
         return manifest.step
 
 

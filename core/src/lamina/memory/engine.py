@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lamina.device.handle import DeviceHandle, Stream
 from lamina.dtypes import dtype_name
@@ -128,6 +129,9 @@ class UnitState:
     #: Names of the unit's frozen parameters (``requires_grad=False``): gathered for the
     #: forward, never given a gradient.
     frozen: frozenset[str] = frozenset()
+    #: Whether the plan gathers the unit again for backward (False for a unit it keeps
+    #: gathered from its forward to its backward, and without resharding).
+    planned_bwd_gather: bool = True
     #: The compressed reduction of the gradient's ``codec_role`` collective ("scatter"
     #: or "replicate", :mod:`lamina.memory.compressed`), when the plan gives one, and
     #: the trace record its statistics go to.
@@ -136,10 +140,15 @@ class UnitState:
     codec_trace: Any = None
 
     @property
+    def all_frozen(self) -> bool:
+        """Every parameter of the unit is frozen: it never has a gradient to reduce."""
+        return len(self.frozen) == len(self.layout.params)
+
+    @property
     def anchor(self) -> torch.Tensor:
         """A leaf that requires grad, so the gather is part of the autograd graph."""
         anchor: torch.Tensor | None = getattr(self, "_anchor", None)
-        if anchor is None:
+        if anchor is None or anchor.device != self.shard.device:
             anchor = torch.zeros(0, device=self.shard.device, requires_grad=True)
             object.__setattr__(self, "_anchor", anchor)
         return anchor
@@ -389,7 +398,7 @@ class _GatherUnit(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.unit, ctx.engine = unit, engine
         ctx.set_materialize_grads(False)  # None: autograd did not reach that parameter
-        full = unit.wait_gather("fwd", engine.streams)
+        full = unit.wait_gather("bwd" if engine.in_backward else "fwd", engine.streams)
         views = tuple(unit.layout.views(full).values())
         frozen = [
             v for v, p in zip(views, unit.layout.params, strict=True) if p.name in unit.frozen
@@ -409,6 +418,7 @@ class _GatherUnit(torch.autograd.Function):
             unit.pending_grads = scatter_in
             return None, None, None
         unit.start_scatter(scatter_in, engine.streams)
+        engine.uninstall(unit)
         unit.release()
         engine.scatter_started(unit)
         return None, None, None
@@ -475,7 +485,17 @@ def _local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 class Zero3Engine:
     """Installs and removes gathered parameter views around each unit's forward, and
-    collects the reduce-scatters of a backward."""
+    collects the reduce-scatters of a backward.
+
+    Backward can need a unit's module to hold its gathered parameters again: activation
+    checkpointing recomputes a forward inside backward, and where the recomputation runs
+    outside the unit's module hooks (torch's ``checkpoint_wrapper``, transformers'
+    checkpointed layers) only the engine can put them there. So every unit's forward
+    output carries a gradient hook that installs the unit's views when backward reaches
+    it; the unit's gradient backward (or the end of backward) puts the sharded
+    parameters back. Frozen units have no gradient backward: one gathered again in
+    backward is freed once backward has moved on to a unit before it.
+    """
 
     def __init__(
         self,
@@ -500,36 +520,117 @@ class Zero3Engine:
         self._in_backward = False
         self._scattered: list[UnitState] = []
         self._in_flight: list[UnitState] = []
+        #: Units whose modules hold gathered views installed during backward.
+        self._installed: dict[int, UnitState] = {}
+        #: Frozen units gathered during backward (no gradient backward frees them).
+        self._held_frozen: dict[int, UnitState] = {}
+        #: True while every module holds whole plain parameters (``full_parameters``):
+        #: the hooks then leave the modules alone.
+        self.summoned = False
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward through the units is running."""
+        return self._in_backward
 
     # -- forward ------------------------------------------------------------------------
     def enter_unit(self, unit: UnitState) -> None:
-        """Gather ``unit``, prefetch the next one, install its parameter views."""
-        if self._recording:
+        """Gather ``unit``, prefetch the next one, install its parameter views. During
+        backward (a recomputed forward, or backward reaching the unit) the views are
+        built with autograd on, as the forward built them, so that a recomputation saves
+        what the forward saved."""
+        if self.summoned:
+            return
+        backward = self._in_backward
+        if self._recording and not backward:
             self._forward_order.append(unit)
-        views: tuple[torch.Tensor, ...] = _GatherUnit.apply(unit.anchor, unit, self)  # type: ignore[no-untyped-call]
-        if any(v.requires_grad for v in views) and not self._in_backward:
+        with torch.enable_grad() if backward else nullcontext():
+            views: tuple[torch.Tensor, ...] = _GatherUnit.apply(unit.anchor, unit, self)  # type: ignore[no-untyped-call]
+        if any(v.requires_grad for v in views) and not backward:
             # its backward will run, once per call. A forward recomputed during backward
             # (activation checkpointing) is not a call: autograd only takes the tensors
             # it saves, and no gradient flows back through it
             unit.open_calls += 1
         self._by_storage[views[0].untyped_storage().data_ptr()] = unit
-        nxt = self._next_after(unit)
-        if nxt is not None:
-            nxt.start_gather("fwd", self.streams)
+        if backward:
+            self._installed[id(unit)] = unit
+            self._hold_if_frozen(unit)
+            self._moved_to(unit)
+            previous = self._previous_of(unit)
+            if previous is not None and previous.planned_bwd_gather:
+                previous.start_gather("bwd", self.streams)
+        else:
+            nxt = self._next_after(unit)
+            if nxt is not None:
+                nxt.start_gather("fwd", self.streams)
+        self._install(unit, views)
+
+    def leave_unit(self, unit: UnitState, output: Any = None) -> None:
+        """Put the sharded parameters back and (when resharding after forward) drop the
+        buffer; autograd keeps tokens, not the buffer, and backward gathers again. A
+        training forward's ``output`` gets the gradient hook that reinstalls the unit's
+        views when backward reaches it."""
+        if self.summoned:
+            return
+        self.put_back(unit)
+        if output is not None and not self._in_backward and torch.is_grad_enabled():
+            self.enter_on_backward(output, (unit,))
+        if self.reshard_after_forward and not self._kept(unit):
+            unit.release()
+
+    def _kept(self, unit: UnitState) -> bool:
+        """Whether ``unit`` stays gathered after its forward: a unit the plan keeps for
+        backward, when backward may read it (trained parameters or, for a frozen unit, a
+        forward with autograd on), and always while backward runs (it is freed when its
+        gradient backward, or backward, ends)."""
+        if not unit.keep_for_backward:
+            return False
+        if self._in_backward:
+            return True
+        return unit.open_calls > 0 or (unit.all_frozen and torch.is_grad_enabled())
+
+    def enter_on_backward(self, output: Any, units: tuple[UnitState, ...]) -> None:
+        """When backward reaches any tensor of ``output`` that requires grad, install the
+        views of ``units`` (once), so that a recomputed forward finds them."""
+        tensors = [
+            t
+            for t in tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+        ]
+        if not tensors:
+            return
+        done = [False]
+
+        def reached(_grad: torch.Tensor) -> None:
+            if done[0]:
+                return
+            done[0] = True
+            self._begin_backward()
+            for unit in units:
+                if id(unit) not in self._installed:
+                    self.enter_unit(unit)
+
+        for tensor in tensors:
+            tensor.register_hook(reached)  # type: ignore[no-untyped-call]
+
+    def _install(self, unit: UnitState, views: tuple[torch.Tensor, ...]) -> None:
         for p, view in zip(unit.layout.params, views, strict=True):
             for module, attr in unit.places[p.name]:
                 module._parameters[attr] = view  # type: ignore[assignment]
 
-    def leave_unit(self, unit: UnitState) -> None:
-        """Put the sharded parameters back and (when resharding after forward) drop the
-        buffer; autograd keeps tokens, not the buffer, and backward gathers again."""
+    def put_back(self, unit: UnitState) -> None:
+        """The modules hold ``unit``'s sharded parameters again."""
         for name, places in unit.places.items():
             for module, attr in places:
                 module._parameters[attr] = unit.params[name]
+        self._installed.pop(id(unit), None)
         if unit.full is not None:
             self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
-        if self.reshard_after_forward and not (unit.keep_for_backward and unit.open_calls > 0):
-            unit.release()
+
+    def uninstall(self, unit: UnitState) -> None:
+        """``unit``'s backward is done: views installed for it during backward go."""
+        if id(unit) in self._installed:
+            self.put_back(unit)
 
     def drop_stale_prefetches(self) -> None:
         """Before a forward: no unit keeps a buffer gathered before the optimizer step,
@@ -538,6 +639,7 @@ class Zero3Engine:
             unit.release()
             unit.open_calls = 0
             unit.pending_grads = None
+        self._held_frozen.clear()
 
     def finish_forward(self) -> None:
         """The first forward fixed the unit order used for prefetching."""
@@ -580,6 +682,27 @@ class Zero3Engine:
         for other in earlier:
             other.finish_scatter(self.streams)
 
+    def _hold_if_frozen(self, unit: UnitState) -> None:
+        """A frozen unit gathered during backward is held until backward moves on."""
+        if unit.all_frozen and not unit.keep_for_backward and self.reshard_after_forward:
+            self._held_frozen[id(unit)] = unit
+
+    def _moved_to(self, unit: UnitState) -> None:
+        """Backward reached ``unit``: frozen units after it in forward order, gathered
+        for their part of backward, are done (one needed again is gathered again)."""
+        if not self._held_frozen or unit.keep_for_backward:
+            return  # a unit kept for backward (the root) is read all through it
+        order = self._forward_order or self.units
+        here = self._position(order, unit)
+        if here is None:
+            return
+        for key, other in list(self._held_frozen.items()):
+            there = self._position(order, other)
+            if other is not unit and there is not None and there > here:
+                del self._held_frozen[key]
+                self.uninstall(other)
+                other.release()
+
     def _begin_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
@@ -597,9 +720,11 @@ class Zero3Engine:
             if id(unit) not in done:  # a unit called twice is listed twice
                 done.add(id(unit))
                 unit.flush_scatter(self.streams)
-                unit.release()
         self._in_flight = []
+        self._held_frozen.clear()
         self._restore_parameters()
+        for unit in self.units:  # frozen units kept for backward included
+            unit.release()
 
     def _restore_parameters(self) -> None:
         """Every module holds its sharded parameters again: a forward recomputed during
@@ -611,6 +736,7 @@ class Zero3Engine:
                     if module._parameters[attr] is not unit.params[name]:
                         module._parameters[attr] = unit.params[name]
         self._by_storage.clear()
+        self._installed.clear()
 
     # -- saved tensors --------------------------------------------------------------------
     @contextmanager
@@ -635,9 +761,12 @@ class Zero3Engine:
         if not isinstance(packed, _Token):
             return packed  # type: ignore[no-any-return]
         self._begin_backward()
-        full = packed.unit.wait_gather("bwd", self.streams)
-        previous = self._previous_of(packed.unit)
-        if previous is not None:
+        unit = packed.unit
+        self._moved_to(unit)
+        full = unit.wait_gather("bwd", self.streams)
+        self._hold_if_frozen(unit)
+        previous = self._previous_of(unit)
+        if previous is not None and previous.planned_bwd_gather:
             previous.start_gather("bwd", self.streams)  # backward runs the units in reverse
         view = full.as_strided(packed.shape, packed.stride, packed.offset)
         return view

@@ -1,6 +1,8 @@
 """Compiled execution with its declared fallback: ``torch.compile`` -> eager.
 
-The forward runs through ``torch.compile(module, backend=..., fullgraph=True)``. When
+The model's own forward runs through ``torch.compile(forward, backend=...,
+fullgraph=True)`` (the forward, not the module's ``__call__``: the module's hooks run
+once, eagerly, around it). When
 compiling or running the compiled forward raises, the module's buffers and the RNG
 states are restored to what they were before the call, the failure is recorded on the
 plan's ``forward`` node, and this and every later call run eagerly. (A failure can only
@@ -10,6 +12,7 @@ that fails still falls back, but keeps whatever the failed call changed.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,21 +34,30 @@ def compile_backend_of(option: bool | str) -> str | None:
 
 
 class CompiledForward:
-    """Calls ``module`` compiled, falling back to eager on the first failure."""
+    """Calls ``forward`` (``module``'s own forward) compiled, falling back to eager on the
+    first failure."""
 
-    def __init__(self, module: nn.Module, backend: str, log: RunLog, node: str) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        forward: Callable[..., Any],
+        backend: str,
+        log: RunLog,
+        node: str,
+    ) -> None:
         self.module = module
+        self.forward = forward
         self.backend = backend
         self.log = log
         self.node = node
         self.failed = False
         self.calls = 0
-        self._compiled = torch.compile(module, backend=backend, fullgraph=True)
+        self._compiled = torch.compile(forward, backend=backend, fullgraph=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The forward, compiled while that works."""
         if self.failed:
-            return self.module(*args, **kwargs)
+            return self.forward(*args, **kwargs)
         first = self.calls == 0
         saved = _snapshot(self.module) if first else None
         self.calls += 1
@@ -56,7 +68,7 @@ class CompiledForward:
                 _restore(self.module, saved)
             self.failed = True
             self.log.fallback(self.node, "eager", failure_reason(exc))
-            return self.module(*args, **kwargs)
+            return self.forward(*args, **kwargs)
 
 
 def _snapshot(module: nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:

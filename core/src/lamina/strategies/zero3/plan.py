@@ -85,6 +85,10 @@ class Zero3PlanInputs:
     cost_model: str = ""
     #: fp8 for the gradient: ZeRO-3's reduce-scatter, or HSDP's replica all-reduce.
     codec: Fp8Codec | None = None
+    #: Units whose parameters are all frozen (``requires_grad=False``): gathered for the
+    #: forward, and again for backward where activations need their weights, but never
+    #: reduce-scattered (no gradient, no optimizer step).
+    frozen_units: frozenset[str] = frozenset()
 
     def codec_role(self) -> str:
         """Which gradient collective the codec compresses ('' without one)."""
@@ -160,7 +164,9 @@ def _codec_attrs(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> dict[s
 
 def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     """Per unit: gather before its forward, free after it, gather again for backward,
-    reduce-scatter its gradient into the shard, free; then the optimizer on the shards."""
+    reduce-scatter its gradient into the shard, free; then the optimizer on the shards.
+    A frozen unit has no reduce-scatter (nor replica all-reduce): backward only reads its
+    weights, where the activations before it need them."""
     units = {u.name: u for u in inputs.layout.units}
     order = [units[name] for name in inputs.forward_order]
     nodes: list[PlanNode] = []
@@ -191,10 +197,18 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         compute = f"{unit.name}.backward"
         nodes.append(PlanNode(compute, "backward", "backward", f"backward of {unit.name}"))
         edges.append((previous, compute))
+        frozen = unit.name in inputs.frozen_units
         if inputs.reshards(unit.name):
             gather = gather_node(unit.name, "bwd")
-            nodes.append(_gather(inputs, unit, gather, "backward", f"gather {unit.name} again"))
+            again = "if backward reads its weights" if frozen else "again"
+            nodes.append(_gather(inputs, unit, gather, "backward", f"gather {unit.name} {again}"))
             edges.append((gather, compute))
+        if frozen:  # no gradient: backward reads the weights only
+            free = f"{unit.name}.free.bwd"
+            nodes.append(PlanNode(free, "free", "backward", f"free {unit.name} after backward"))
+            edges.append((compute, free))
+            previous = compute
+            continue
         scatter = scatter_node(unit.name)
         nodes.append(
             PlanNode(
@@ -261,6 +275,11 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             shard_axis=groups.shard_axis,
             replicate_axis=groups.replicate_axis or "none",
             **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),
+            **(
+                {"frozen_units": ",".join(sorted(inputs.frozen_units))}
+                if inputs.frozen_units
+                else {}
+            ),
             **error_feedback_meta(nodes),
         ),
     )
@@ -279,6 +298,7 @@ def _gather(
             unit=unit.name,
             primitive=inputs.gather.op,
             **algorithm_attrs(inputs.algorithm_of(unit.name)),
+            **({"frozen": True} if unit.name in inputs.frozen_units else {}),
         ),
     )
 

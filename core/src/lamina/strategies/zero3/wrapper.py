@@ -14,6 +14,8 @@ against the others before the first collective; the engine takes its primitives 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +49,14 @@ from lamina.strategies.preflight import before_first_collective
 from lamina.strategies.zero3 import plan as plan_z3
 from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
 from lamina.strategies.zero3.fp8_units import Fp8UnitCodec, sharded_codec
+from lamina.strategies.zero3.full_params import (
+    full_parameters_forward,
+    save_pretrained_method,
+    summon_full_parameters,
+)
+from lamina.strategies.zero3.init_rng import register_shards
+from lamina.strategies.zero3.load_full import sharded_state
+from lamina.strategies.zero3.materialize import move_shards, on_meta
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.verify import PreflightReport
 
@@ -84,6 +94,8 @@ class Sharding:
         #: Units gathered for the whole forward: the root unit, and merged units that do
         #: not correspond to one submodule.
         self.whole_forward: list[UnitState] = []
+        #: Whether parameters or buffers are still on the meta device (``to_empty`` first).
+        self.on_meta = False
 
 
 class ShardedModule(nn.Module):
@@ -97,6 +109,13 @@ class ShardedModule(nn.Module):
         sharding = self.lamina_sharding
         engine = sharding.engine
         assert engine is not None
+        if sharding.on_meta:
+            raise ConfigError(
+                f"this {type(self).__name__} is on the meta device; call "
+                "model.to_empty(device=...) and initialize or load it before the forward"
+            )
+        if engine.summoned:
+            return full_parameters_forward(self, super().forward, args, kwargs)
         if self.training and torch.is_grad_enabled():
             sharding.run_log.begin_step()
         engine.drop_stale_prefetches()
@@ -110,8 +129,38 @@ class ShardedModule(nn.Module):
             finally:
                 for state in sharding.whole_forward:
                     engine.leave_unit(state)
+        if torch.is_grad_enabled():  # backward may recompute a forward that reads them
+            engine.enter_on_backward(out, tuple(sharding.whole_forward))
         engine.finish_forward()
         return out
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``to()``, ``to_empty()``, ``cuda()`` and the like: the shard buffers are
+        converted (``to_empty`` materializes only this rank's shards) and the parameters
+        become views of the new buffers, the same parameter objects; buffers and
+        anything else convert as torch converts them."""
+        move_shards(self, fn, lambda: super(ShardedModule, self)._apply(fn, recurse))  # type: ignore[no-untyped-call]
+        return self
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict``, also from a full (unsharded) state dict held by
+        every rank: each rank loads its rows of each parameter (no collective)."""
+        strategy = self.execution_plan.strategy
+        state = sharded_state(self, state_dict, assign, strategy)
+        return super().load_state_dict(state, strict=strict, assign=assign)
+
+    @contextmanager
+    def full_parameters(self, writeback: bool = False) -> Iterator[None]:
+        """Every parameter whole, as a plain tensor, on every rank for the block (like
+        FSDP's ``summon_full_params``): for ``save_pretrained``, ``state_dict()`` of the
+        whole model, or a fast ``generate``. Collective: every rank enters it. Holds the
+        whole model on each rank. ``writeback=True`` copies the whole parameters back
+        into the shards on exit (changes made inside then persist); otherwise they are
+        dropped. Forwards inside run on the whole parameters, without autograd."""
+        with summon_full_parameters(self, writeback):
+            yield
 
     @property
     def execution_plan(self) -> ExecutionPlan:
@@ -199,6 +248,11 @@ def shard_module(
         raise ConfigError(
             f"this {type(module).__name__} is already sharded; distribute the model once"
         )
+    if hasattr(type(module), "execution_plan") and hasattr(type(module), "step_summary"):
+        raise ConfigError(
+            f"this {type(module).__name__} is already distributed (it has an "
+            "execution_plan); distribute the model once, with one strategy"
+        )
     options = options or Zero3Options()
     placement = placement or MeshPlacement(shard=runtime.mesh.axis_names)
     if not placement.shard:
@@ -241,7 +295,7 @@ def shard_module(
     planned = PlannedStep(plan, (("shards", plan_z3.shard_lines(layout)),))
     preflight = before_first_collective(runtime, planned, module, verify=options.verify)
     run_log = RunLog(plan)
-    run_broadcast_nodes(run_log, "setup", [*module.parameters(), *module.buffers()], 0, None)
+    run_broadcast_nodes(run_log, "setup", _materialized(module), 0, None)
     sharding = Sharding(
         runtime, placement, layout, plan, run_log, preflight, group, options.param_dtype
     )
@@ -309,6 +363,7 @@ def shard_module(
                 keep_for_backward=options.reshard_after_forward
                 and plan_z3.gather_node(unit.name, "bwd") not in planned_ids,
                 frozen=frozen,
+                planned_bwd_gather=plan_z3.gather_node(unit.name, "bwd") in planned_ids,
             )
         )
     device = next((u.shard.device for u in units), torch.device("cpu"))
@@ -325,15 +380,28 @@ def shard_module(
             _hook_unit(engine, submodule, state)
         engine.leave_unit(state)  # the module holds the sharded parameters now
     cls = type(module)
-    module.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    methods = save_pretrained_method(cls, strategy)
+    # the model's own name (Hugging Face writes type(model).__name__ into a saved
+    # config's "architectures"); its __module__ says where the extension comes from
+    extended = type(cls.__name__, (ShardedModule, cls), methods)
+    extended.__qualname__ = cls.__qualname__
+    module.__class__ = extended
     assert isinstance(module, ShardedModule)
     module.__dict__["lamina_sharding"] = sharding  # plain state: not a submodule or buffer
+    sharding.on_meta = on_meta(module)
+    register_shards(engine.units)
     return module
 
 
 def _hook_unit(engine: Zero3Engine, submodule: nn.Module, state: UnitState) -> None:
     submodule.register_forward_pre_hook(lambda _m, _a: engine.enter_unit(state))
-    submodule.register_forward_hook(lambda _m, _a, _o: engine.leave_unit(state))
+    submodule.register_forward_hook(lambda _m, _a, out: engine.leave_unit(state, out))
+
+
+def _materialized(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers not on the meta device (a model built on meta has
+    nothing to broadcast: its values come from ``to_empty`` and an initializer or load)."""
+    return [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
 
 
 def _dtensor_mesh(
@@ -404,7 +472,8 @@ def _hierarchical_units(plan: ExecutionPlan) -> frozenset[str]:
     return frozenset(
         n.attr("unit")
         for n in plan.nodes
-        if n.id.endswith(".reduce_scatter") and n.attr("algorithm") == "hierarchical"
+        if (n.kind == "gather" or n.id.endswith(".reduce_scatter"))
+        and n.attr("algorithm") == "hierarchical"
     )
 
 
@@ -464,7 +533,7 @@ def _build_plan(
             pg_backend=pg_backend,
             gather=choice("all_gather"),
             scatter=choice("reduce_scatter"),
-            setup_state=dtype_totals([*module.parameters(), *module.buffers()]),
+            setup_state=dtype_totals(_materialized(module)),
             compute_dtype=dtype_name(param_dtype) if param_dtype else None,
             reshard_after_forward=options.reshard_after_forward,
             strategy=strategy,
@@ -472,7 +541,17 @@ def _build_plan(
             algorithms=algorithms,
             cost_model=cost_model,
             codec=codec,
+            frozen_units=_frozen_units(module, layout),
         )
+    )
+
+
+def _frozen_units(module: nn.Module, layout: ShardLayout) -> frozenset[str]:
+    """The units none of whose parameters requires grad."""
+    return frozenset(
+        unit.name
+        for unit in layout.units
+        if not any(_param(module, p.name).requires_grad for p in unit.params)
     )
 
 
