@@ -7,18 +7,20 @@ the GPT example on 2 ranks), finetune (the LoRA example under dp, zero3 and hsdp
 (a 2-rank all-reduce).
 
 Which core tests (``tests/``) each backend session runs, by marker (declared in
-pyproject.toml, set per module with ``pytestmark``):
+pyproject.toml, set per module with ``pytestmark``): ``portable`` marks what depends on
+the torch build or the installed backends (imports and plugins, graph capture, kernels,
+streams, the collectives' forms, DP / ZeRO-3 / HSDP / fp8 equivalence with DDP, plan and
+verify, trace), ``multiprocess`` what starts more than one process.
 
-- ``tests(cpu)``: all of them, once (every core test runs here at least).
-- ``tests(xla)``: ``portable or multiprocess``: what depends on the torch build or the
-  installed backends (imports and plugins, graph capture, kernels, streams, DP and ZeRO-3
-  equivalence with DDP, plan and verify, trace), and every test that starts real ranks,
-  so that the equivalence and multi-process tests run on a second torch release (2.9).
-- ``tests(cuda)``: ``portable`` (on torch 2.14, the newest release).
-- ``tests(npu)``: ``portable and not multiprocess``: torch_npu installed beside the same
-  CPU torch as ``tests(cpu)``, so the ranks' tests would repeat that session's exactly;
-  what differs is what an installed but unusable vendor package does to imports, plugin
-  discovery and backend selection.
+- ``tests(cpu)`` (torch 2.13): all of them, once. Every core test runs here.
+- ``tests(xla)`` (torch 2.9, the oldest release lamina supports): ``portable``, so every
+  build-dependent test, the multi-rank equivalence tests included, also runs on a second
+  torch release.
+- ``tests(cuda)`` (torch 2.14, the newest) and ``tests(npu)`` (torch_npu beside the CPU
+  torch of ``tests(cpu)``): ``portable and not multiprocess``: what an accelerator build
+  and an installed vendor package do to imports, plugin discovery, backend selection,
+  graph capture and kernels in one process. Their ranks would run the same gloo code as
+  the two sessions above, at a minute or more each on two cores.
 
 Every backend session also runs its backend's own tests (conformance kit included).
 """
@@ -122,6 +124,7 @@ BACKENDS: dict[str, BackendSession] = {
         torch=["torch==2.14.1"],
         packages=["backends/cuda[triton,test]"],
         test_paths=["backends/cuda/tests"],
+        core_tests="portable and not multiprocess",
     ),
     # torch_xla needs the torch release of its own number; PJRT's CPU client runs the
     # conformance kit and a training step for real on an `xla` device.
@@ -130,7 +133,6 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/xla[test]"],
         test_paths=["backends/xla/tests"],
         env={"PJRT_DEVICE": "CPU"},
-        core_tests="portable or multiprocess",
     ),
     # torch_npu beside the CPU torch: without the CANN toolkit this proves the unavailable
     # path end to end (import torch still works, `lamina info` names libhccl.so).
@@ -143,10 +145,14 @@ BACKENDS: dict[str, BackendSession] = {
 }
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
-#: pytest-xdist for the core tests: one worker per core (at most 4), a file's tests in one
-#: worker so that a module's shared 2-rank job starts once. Most of a multi-process test
-#: is waiting on other processes, so two workers on two cores finish ~25% sooner.
-PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+#: pytest-xdist for the core tests: a file's tests in one worker, so that a module's shared
+#: multi-rank job starts once, handed out in collection order (tests/conftest.py puts the
+#: slowest modules first). Three workers on two cores: the tests use ~1.3 of the 2 cores
+#: (ranks wait on each other, the emulator's tests on shaped links and timeouts), and a
+#: third worker fills that (measured 377 s against two workers' 418 s and four's 442 s):
+#: one worker more than there are cores.
+WORKERS = len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else 3
+PARALLEL = ["-n", str(WORKERS), "--dist", "loadfile", "--no-loadscope-reorder"]
 #: Every package whose sources mypy checks (core and each backend).
 TYPED_PACKAGES = [
     "core",

@@ -7,13 +7,16 @@ import datetime
 import json
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+import lamina
 from files_for_tests import flip_byte
+from lamina.checkpoint import CheckpointManager
 from lamina.checkpoint.inspect import (
     bitwise_equal,
     diff_states,
@@ -26,56 +29,42 @@ from lamina.checkpoint.inspect import (
 )
 from lamina.cli.main import main
 from lamina.errors import ConfigError
+from lamina.testing import run_ranks
 from lamina.testing.cli import run_lamina
 
-SCRIPT = """
-import sys
 
-import torch
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-import lamina
-from lamina.checkpoint import CheckpointManager
-
-rt = lamina.init()
-torch.manual_seed(0)
-strategy = sys.argv[2]
-options = {"example_inputs": (torch.randn(4, 8),)} if strategy == "dp" else {}
-m = lamina.distribute(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), strategy, **options)
-opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-mgr = CheckpointManager(sys.argv[1], keep=2)
-for s in range(1, 4):
-    m(torch.randn(4, 8)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    mgr.save(s, m, opt, extra={"pos": s})
-full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-if rt.is_main:
-    names = {k.removeprefix("module."): v.detach().clone() for k, v in full.items()}
-    torch.save(names, sys.argv[1] + ".expected.pt")
-lamina.shutdown()
-"""
+def _save_three_steps(base: str) -> None:
+    """On each rank of a 2-rank job: for dp and then zero3, 3 AdamW steps of a small model,
+    each saved through CheckpointManager (keep=2), then rank 0 writes the final full state
+    (the model's own names) beside the checkpoints as ``<root>.expected.pt``."""
+    rt = lamina.init()
+    for strategy in ("dp", "zero3"):
+        root = f"{base}/{strategy}"
+        torch.manual_seed(0)
+        options = {"example_inputs": (torch.randn(4, 8),)} if strategy == "dp" else {}
+        net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        m = lamina.distribute(net, strategy, **options)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        mgr = CheckpointManager(root, keep=2)
+        for s in range(1, 4):
+            m(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(s, m, opt, extra={"pos": s})
+        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        if rt.is_main:
+            names = {k: v.detach().clone() for k, v in full.items()}
+            torch.save(names, root + ".expected.pt")
+    lamina.shutdown()
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{'dp': root, 'zero3': root}: 2-rank jobs that committed steps 2 and 3 (keep=2)."""
+    """{'dp': root, 'zero3': root}: a real 2-rank job committed steps 2 and 3 of each
+    (keep=2)."""
     base = tmp_path_factory.mktemp("checkpoints")
-    script = base / "train.py"
-    script.write_text(SCRIPT)
-    roots = {name: base / name for name in ("dp", "zero3")}
-
-    def job(name: str) -> str:
-        result = run_lamina(
-            "run", "--nproc-per-node", "2", str(script), str(roots[name]), name, timeout=150
-        )
-        return "" if result.returncode == 0 else f"{name}: {result.stdout}\n{result.stderr}"
-
-    with ThreadPoolExecutor(2) as pool:
-        failures = [f for f in pool.map(job, roots) if f]
-    assert not failures, failures[0][-3000:]
-    return roots
+    run_ranks(_save_three_steps, 2, args=(str(base),), timeout=150)
+    return {name: base / name for name in ("dp", "zero3")}
 
 
 def _copy(saved: dict[str, Path], tmp_path: Path, name: str = "dp") -> Path:

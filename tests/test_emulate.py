@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from lamina.emulate.probe import (
     unavailable_reason,
 )
 from lamina.errors import ConfigError
+from lamina.testing import run_ranks
 from lamina.testing.cli import run_lamina
 
 #: Steps forever: an all-reduce, a line, a pause (a fault has to end it).
@@ -321,6 +323,12 @@ def _records(out: Path) -> dict[int, dict[str, object]]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
 
 
+def _run_script(path: str, *argv: str) -> None:
+    """Run the script at ``path`` as ``__main__`` with ``argv`` (on a harness rank)."""
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
+
+
 def _emulate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return run_lamina("emulate", *args, timeout=timeout)
 
@@ -368,8 +376,8 @@ def test_training_on_two_emulated_hosts_matches_one_host(
         "interleaved", "--", str(train), str(emulated),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    local = run_lamina("run", "--nproc-per-node", "4", str(train), str(one_host), timeout=240)
-    assert local.returncode == 0, local.stdout + local.stderr
+    # the same script on 4 ranks of this host, as torchrun would start them
+    run_ranks(_run_script, 4, args=(str(train), str(one_host)), timeout=240)
     for strategy in ("dp", "zero3", "hsdp"):
         ours = torch.load(emulated / f"{strategy}.pt")
         reference = torch.load(one_host / f"{strategy}.pt")
