@@ -7,7 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from lamina.testing.harness import preload
 from requested_backend import usable_requested_backend
+
+# The fine-tuning tests' ranks build transformers models with peft adapters: imported once
+# in the forkserver instead of in each of their ~14 ranks (skipped where not installed).
+preload("transformers", "peft")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -80,15 +80,25 @@ lamina.shutdown()
 
 
 TRAIN_SCRIPT = """\
-import sys
+import json, os, socket, subprocess, sys
 sys.path.insert(0, {examples!r})
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 
 out = sys.argv[1]
 rt = lamina.init(mesh="topology")  # inter x intra from the hosts
+value = torch.tensor([float(rt.rank + 1)])
+dist.all_reduce(value)
+qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True)
+record = {{
+    "rank": rt.rank, "world": rt.world_size, "host": socket.gethostname(),
+    "sum": value.item(), "qdisc": qdisc.stdout, "mesh": list(rt.mesh.lines()),
+}}
+with open(os.path.join(out, f"rank{{rt.rank}}.json"), "w") as f:
+    json.dump(record, f)
 # lr 1e-3: Adam turns fp32 rounding-order differences of near-zero gradients (another
 # ring order over the hosts) into parameter differences of up to ~lr x 1e-3
 for strategy in ("dp", "zero3", "hsdp"):
@@ -333,17 +343,36 @@ def _emulate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
     return run_lamina("emulate", *args, timeout=timeout)
 
 
-@needs_cluster
-@pytest.mark.timeout(300)
-def test_interleaved_ranks_run_on_their_hosts_and_the_mesh_groups_them_by_host(
-    script: Path, tmp_path: Path, no_leftovers: None
-) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def interleaved_run(
+    emulator_unavailable: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One emulated job of 2 hosts x 2 ranks, interleaved, on 200 Mbit/s links: every rank
+    records where it ran and what it saw, then trains dp, zero3 and hsdp (TRAIN_SCRIPT);
+    the emulator's output and the folder of the records and trained states."""
+    skip_or_fail(emulator_unavailable)
+    base = tmp_path_factory.mktemp("interleaved")
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    train = base / "train.py"
+    train.write_text(TRAIN_SCRIPT.format(examples=examples))
+    out = base / "emulated"
     out.mkdir()
     result = _emulate(
         "--hosts", "2", "--nproc-per-host", "2", "--link", "200mbit", "--rank-order",
-        "interleaved", "--", str(script), str(out), "--topology-mesh",
+        "interleaved", "--", str(train), str(out),
     )  # fmt: skip
+    left = _left_behind()
+    remove_stale()
+    assert left == [], f"namespaces left behind: {left}"
+    return result, out
+
+
+@needs_cluster
+@pytest.mark.timeout(300)
+def test_interleaved_ranks_run_on_their_hosts_and_the_mesh_groups_them_by_host(
+    interleaved_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    result, out = interleaved_run
     assert result.returncode == 0, result.stdout + result.stderr
     records = _records(out)
     assert sorted(records) == [0, 1, 2, 3]
@@ -361,23 +390,16 @@ def test_interleaved_ranks_run_on_their_hosts_and_the_mesh_groups_them_by_host(
 @needs_cluster
 @pytest.mark.timeout(400)
 def test_training_on_two_emulated_hosts_matches_one_host(
-    tmp_path: Path, no_leftovers: None
+    interleaved_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
 ) -> None:
     import torch
 
-    examples = str(Path(__file__).resolve().parents[1] / "examples")
-    train = tmp_path / "train.py"
-    train.write_text(TRAIN_SCRIPT.format(examples=examples))
-    emulated, one_host = tmp_path / "emulated", tmp_path / "one_host"
-    emulated.mkdir()
-    one_host.mkdir()
-    result = _emulate(
-        "--hosts", "2", "--nproc-per-host", "2", "--link", "200mbit", "--rank-order",
-        "interleaved", "--", str(train), str(emulated),
-    )  # fmt: skip
+    result, emulated = interleaved_run
     assert result.returncode == 0, result.stdout + result.stderr
+    one_host = tmp_path / "one_host"
+    one_host.mkdir()
     # the same script on 4 ranks of this host, as torchrun would start them
-    run_ranks(_run_script, 4, args=(str(train), str(one_host)), timeout=240)
+    run_ranks(_run_script, 4, args=(str(emulated.parent / "train.py"), str(one_host)), timeout=240)
     for strategy in ("dp", "zero3", "hsdp"):
         ours = torch.load(emulated / f"{strategy}.pt")
         reference = torch.load(one_host / f"{strategy}.pt")
