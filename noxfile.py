@@ -13,9 +13,13 @@ streams, the collectives' forms, DP / ZeRO-3 / HSDP / fp8 equivalence with DDP, 
 verify, trace), ``multiprocess`` what starts more than one process.
 
 - ``tests(cpu)`` (torch 2.13): all of them, once. Every core test runs here.
-- ``tests(xla)`` (torch 2.9, the oldest release lamina supports): ``portable``, so every
-  build-dependent test, the multi-rank equivalence tests included, also runs on a second
-  torch release.
+- ``tests(xla)`` (torch 2.9, the oldest release lamina supports): ``portable and (not
+  multiprocess or cross_release)``: every single-process build-dependent test, and the
+  multi-rank ones whose results a torch release can change (``cross_release``: DP / ZeRO-3
+  / HSDP / fp8 equal to DDP, the bytes handed to torch.distributed, torchrun's launch),
+  also run on a second torch release. The other multi-rank portable tests (the CLI's plan
+  and verify, pre-flight, fallbacks, the trace) run their ranks through the same gloo
+  calls, already covered there, and run in tests(cpu).
 - ``tests(cuda)`` (torch 2.14, the newest) and ``tests(npu)`` (torch_npu beside the CPU
   torch of ``tests(cpu)``): ``portable and not multiprocess``: what an accelerator build
   and an installed vendor package do to imports, plugin discovery, backend selection,
@@ -107,6 +111,8 @@ class BackendSession:
     core_tests: str | None = "portable"
     #: Extras of lamina-core installed beside it.
     extras: str = "test"
+    #: Whether the selected core tests include multi-process ones (xdist_flags).
+    starts_ranks: bool = True
 
 
 BACKENDS: dict[str, BackendSession] = {
@@ -125,6 +131,7 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/cuda[triton,test]"],
         test_paths=["backends/cuda/tests"],
         core_tests="portable and not multiprocess",
+        starts_ranks=False,
     ),
     # torch_xla needs the torch release of its own number; PJRT's CPU client runs the
     # conformance kit and a training step for real on an `xla` device.
@@ -133,6 +140,7 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/xla[test]"],
         test_paths=["backends/xla/tests"],
         env={"PJRT_DEVICE": "CPU"},
+        core_tests="portable and (not multiprocess or cross_release)",
     ),
     # torch_npu beside the CPU torch: without the CANN toolkit this proves the unavailable
     # path end to end (import torch still works, `lamina info` names libhccl.so).
@@ -141,18 +149,30 @@ BACKENDS: dict[str, BackendSession] = {
         packages=["backends/npu"],
         test_paths=["backends/npu/tests"],
         core_tests="portable and not multiprocess",
+        starts_ranks=False,
     ),
 }
 
 TOOLS = ["ruff==0.17.6", "mypy==2.4.1"]
-#: pytest-xdist for the core tests: a file's tests in one worker, so that a module's shared
-#: multi-rank job starts once, handed out in collection order (tests/conftest.py puts the
-#: slowest modules first). Three workers on two cores: the tests use ~1.3 of the 2 cores
-#: (ranks wait on each other, the emulator's tests on shaped links and timeouts), and a
-#: third worker fills that (measured 377 s against two workers' 418 s and four's 442 s):
-#: one worker more than there are cores.
-WORKERS = len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else 3
-PARALLEL = ["-n", str(WORKERS), "--dist", "loadfile", "--no-loadscope-reorder"]
+#: The cores this process may run on.
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+
+
+def xdist_flags(starts_ranks: bool) -> list[str]:
+    """pytest-xdist for the core tests: a file's tests in one worker, so that a module's
+    shared multi-rank job starts once, handed out in collection order (tests/conftest.py
+    puts the slowest modules first).
+
+    One worker per core, and one more where the selection starts ranks: those tests use
+    ~1.3 of 2 cores (ranks wait on each other, the emulator's tests on shaped links and
+    timeouts) and a third worker fills that (measured 377 s against two workers' 418 s and
+    four's 442 s). Single-process tests keep every core busy by themselves: 30 s with two
+    workers against 36-45 s with three (measured), each extra worker collecting the suite.
+    """
+    workers = CORES + 1 if starts_ranks else CORES
+    return ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"]
+
+
 #: Every package whose sources mypy checks (core and each backend).
 TYPED_PACKAGES = [
     "core",
@@ -201,7 +221,8 @@ def tests(session: nox.Session, backend: str) -> None:
     env = {**spec.env, "PYTHONDONTWRITEBYTECODE": ""}
     session.run("lamina", "info", env=env)
     select = ["-m", spec.core_tests] if spec.core_tests else []
-    core = ["pytest", "-ra", "--durations=30", *PARALLEL, *select, "tests", *session.posargs]
+    xdist = xdist_flags(spec.starts_ranks)
+    core = ["pytest", "-ra", "--durations=30", *xdist, *select, "tests", *session.posargs]
     session.run(*core, env=env)
     # The backend's own tests verbosely, so the log shows each check that ran or skipped.
     session.run("pytest", "-v", "-ra", *spec.test_paths, *session.posargs, env=env)

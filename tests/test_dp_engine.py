@@ -23,7 +23,7 @@ from lamina.errors import ConfigError
 from lamina.testing import run_ranks
 from models_for_tests import MLP, batch, build, differs_from_rank0, grad_diff, loss_of
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 STEPS = 5
 NAMES = ("mlp", "gpt", "tied", "unused", "batchnorm")

@@ -33,7 +33,7 @@ from lamina.runtime import ExecutionPlan
 from lamina.testing import run_ranks
 from models_for_tests import MLP, batch, build, differs_from_rank0, loss_of
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 STEPS = 3
 #: fp32 results that differ only in the order of rounding (see test_dp_engine.py).

@@ -24,8 +24,9 @@ import json
 import os
 import re
 from collections.abc import Callable
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -41,16 +42,24 @@ from lamina.testing.cli import run_lamina
 from models_for_tests import full_params  # also puts examples/ on sys.path
 from topologies_for_tests import two_hosts_of_two
 
-pytest.importorskip("transformers", reason="the fine-tuning tests train a transformers Llama")
-pytest.importorskip("peft", reason="the fine-tuning tests train LoRA adapters through peft")
-
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
+# isort: split
 from _stdlib_corpus import load_char_corpus, sample_batch
 
-pytestmark = pytest.mark.multiprocess
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
+# transformers and peft are imported where used (3 s of every xdist worker's collection)
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        find_spec("transformers") is None,
+        reason="the fine-tuning tests train a transformers Llama (examples extra)",
+    ),
+    pytest.mark.skipif(
+        find_spec("peft") is None,
+        reason="the fine-tuning tests train LoRA adapters through peft (examples extra)",
+    ),
+]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: fp32 rounding order only: two ranks sum in one order (a + b == b + a), four in another
@@ -79,6 +88,8 @@ EXAMPLE_STRATEGIES = os.environ.get("LAMINA_FINETUNE_STRATEGIES", "dp").split(",
 # -- models, batches, training ----------------------------------------------------------
 def llama(seed: int) -> LlamaForCausalLM:
     """The tiny Llama, initialized from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64,
@@ -95,6 +106,8 @@ def llama(seed: int) -> LlamaForCausalLM:
 
 def lora_llama(seed: int) -> nn.Module:
     """The tiny Llama with LoRA adapters on q_proj and v_proj (every base weight frozen)."""
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     model: nn.Module = get_peft_model(llama(seed), config)
     return model
@@ -137,6 +150,8 @@ def whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
     return [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
 
 
@@ -264,6 +279,8 @@ def meta_init(strategy: str, rank: int) -> dict[str, Any]:
 def in_place(rank: int) -> dict[str, Any]:
     """``lamina.distribute(model, "dp")`` keeps the model's class and state-dict keys
     (checked before the first forward, as a script saving or loading first would)."""
+    from transformers import LlamaForCausalLM
+
     model = llama(rank)
     keys = list(model.state_dict())
     distributed = lamina.distribute(model, "dp")
@@ -426,6 +443,9 @@ def test_finetune_example_trains_and_its_adapters_load_with_peft(
     before, after = map(float, done.groups())
     assert after < before - 0.1, result.stdout
     assert f"adapters saved to {output}" in result.stdout
+
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
 
     corpus = load_char_corpus(0.2)
     x, y = sample_batch(corpus.val, 8, 32, torch.Generator().manual_seed(0))

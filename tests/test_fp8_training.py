@@ -35,7 +35,7 @@ from models_for_tests import batch, build, loss_of, relative_grad_l2
 from test_dp_algorithms import BUCKETS, STEPS
 from topologies_for_tests import two_hosts_interleaved
 
-pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.portable, pytest.mark.multiprocess, pytest.mark.cross_release]
 
 WORLD = 4
 #: The step at which rank 1's loss is scaled past the codec's overflow bound.

@@ -33,7 +33,7 @@ from models_for_tests import (
 )
 from topologies_for_tests import two_hosts_of_two
 
-pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.portable, pytest.mark.multiprocess, pytest.mark.cross_release]
 
 WORLD = 4
 #: (model, collectives): the examples' GPT with both primitive families, tied weights,

@@ -12,7 +12,7 @@ from lamina.errors import ConfigError
 from lamina.launch import NodeLaunch, detect, expand_nodelist, expand_task_counts
 from lamina.testing.cli import run_lamina
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 
 # -- SLURM host lists -------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from lamina.testing.cli import run_lamina
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from lamina.testing import WireCounter, run_ranks
 from lamina.testing.wire import COUNTED
 from lamina.trace import recorder, user_collectives
 
-pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.portable, pytest.mark.multiprocess, pytest.mark.cross_release]
 
 WORLD = 2
 #: Forms newer torch releases add (2.9 lacks them); every other form exists everywhere.

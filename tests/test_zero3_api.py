@@ -33,7 +33,7 @@ from lamina.strategies.dp import DataParallelModule
 from lamina.testing import run_ranks
 from models_for_tests import batch, build, differs_from_rank0, loss_of, shard_grad_diff
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 #: fp32 ZeRO-3 and DDP differ only in the rounding order of the two ranks' mean gradient (a
 #: few float32 ulps, 2**-23 ~ 1.2e-7, per step), compounded over the 5 steps; a lost or

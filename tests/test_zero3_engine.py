@@ -30,7 +30,7 @@ from models_for_tests import (
     shard_grad_diff,
 )
 
-pytestmark = pytest.mark.portable
+pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
 NAMES = ("mlp", "gpt", "tied", "unused")
 COLLECTIVES = ("native", "all_reduce")

@@ -37,6 +37,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -52,11 +53,16 @@ from lamina.testing import run_ranks
 from models_for_tests import full_params, shard_grad_diff
 from topologies_for_tests import two_hosts_of_two
 
-pytest.importorskip(
-    "transformers", reason="the fine-tuning tests build a transformers Llama (examples extra)"
-)
-
-pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
+# transformers is imported where used (2 s of every xdist worker's collection otherwise)
+pytestmark = [
+    pytest.mark.portable,
+    pytest.mark.multiprocess,
+    pytest.mark.cross_release,
+    pytest.mark.skipif(
+        find_spec("transformers") is None,
+        reason="the fine-tuning tests build a transformers Llama (examples extra)",
+    ),
+]
 
 VOCAB, STEPS, LR = 64, 3, 0.1
 #: fp32 sharded training and DDP differ only in the rounding order of the mean gradient
