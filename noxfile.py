@@ -71,7 +71,7 @@ def pip_setting(name: str) -> list[str]:
 
 def uv_follows_pip() -> None:
     """Give uv the local wheel folders, indexes and constraints pip is configured with,
-    and pip's habits: the best match over all indexes, modules compiled at install.
+    and pip's habit of taking the best match over all indexes.
 
     pip reads them from its configuration, uv does not: without them uv would download a
     CUDA build of torch where a CPU wheel of the pinned release lies on disk, or a release
@@ -82,10 +82,6 @@ def uv_follows_pip() -> None:
         "UV_EXTRA_INDEX_URL": " ".join(pip_setting("extra-index-url")),
         "UV_CONSTRAINT": " ".join(v for v in pip_setting("constraint") if os.path.isfile(v)),
         "UV_INDEX_STRATEGY": "unsafe-best-match",
-        # pip compiles every module at install; uv does not by default, and where
-        # PYTHONDONTWRITEBYTECODE is set (as here) every process would then parse torch's
-        # sources again: 5.3 s per `import torch` instead of 1.7 s, measured
-        "UV_COMPILE_BYTECODE": "1",
     }
     for variable, value in settings.items():
         if value and variable not in os.environ:
@@ -93,6 +89,15 @@ def uv_follows_pip() -> None:
 
 
 uv_follows_pip()
+
+#: Bytecode written at each module's first import in a session, whatever the machine
+#: sets: where PYTHONDONTWRITEBYTECODE is set (as here) and nothing is compiled, every
+#: process parses torch's sources again (5.3 s per `import torch` instead of 1.7 s), and
+#: pytest rewrites every test module's asserts in each worker. Compiling every module at
+#: install instead (pip's way, uv's --compile-bytecode) cost 20 s of CPU per torch build
+#: for the few hundred modules a session imports (measured): the first `import torch` of a
+#: session takes 4.2 s instead.
+WRITE_BYTECODE = {"PYTHONDONTWRITEBYTECODE": ""}
 
 
 @dataclass(frozen=True)
@@ -215,10 +220,7 @@ def tests(session: nox.Session, backend: str) -> None:
     """Core tests (all, or the backend's marked share) plus the backend's own tests."""
     spec = BACKENDS[backend]
     install_for(session, spec)
-    # Bytecode caching on for the tests, whatever the machine sets: pytest rewrites every
-    # test module's asserts in each of its processes, and caches the result only where
-    # Python may write bytecode (~2.5 s of CPU per worker otherwise, measured).
-    env = {**spec.env, "PYTHONDONTWRITEBYTECODE": ""}
+    env = {**spec.env, **WRITE_BYTECODE}
     session.run("lamina", "info", env=env)
     select = ["-m", spec.core_tests] if spec.core_tests else []
     xdist = xdist_flags(spec.starts_ranks)
@@ -235,7 +237,7 @@ def train(session: nox.Session) -> None:
     Arguments after `--` go to train_gpt.py (default: `--max-steps 200`).
     """
     install_for(session, BACKENDS["cpu"])
-    session.run("lamina", "info")
+    session.run("lamina", "info", env=WRITE_BYTECODE)
     session.run(
         "lamina",
         "run",
@@ -243,6 +245,7 @@ def train(session: nox.Session) -> None:
         "2",
         "examples/train_gpt.py",
         *(session.posargs or ["--max-steps", "200"]),
+        env=WRITE_BYTECODE,
     )
 
 
@@ -260,7 +263,7 @@ def finetune(session: nox.Session) -> None:
         "-k",
         "example",
         *session.posargs,
-        env={"LAMINA_FINETUNE_STRATEGIES": "dp,zero3,hsdp"},
+        env={**WRITE_BYTECODE, "LAMINA_FINETUNE_STRATEGIES": "dp,zero3,hsdp"},
     )
 
 
@@ -277,4 +280,5 @@ def smoke(session: nox.Session) -> None:
         "2",
         "examples/smoke_allreduce.py",
         *session.posargs,
+        env=WRITE_BYTECODE,
     )

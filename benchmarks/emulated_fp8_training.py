@@ -109,12 +109,16 @@ def main() -> None:
             "step_bytes_over_fp32": {v: step_bytes[v] / step_bytes["fp32"] for v in OPTIONS},
             "algorithms": {
                 v: sorted(
-                    {n.attr("algorithm", "flat") for n in p.collectives() if "bucket" in n.id}
+                    {
+                        n.algorithm.name if n.algorithm else "flat"
+                        for n in p.collectives()
+                        if "bucket" in n.id
+                    }
                 )  # type: ignore[union-attr]
                 for v, p in plans.items()
             },
             "error_feedback_bytes": {
-                v: int(dict(p.meta).get("error_feedback_bytes", 0))  # type: ignore[union-attr]
+                v: sum(n.codec.residual_bytes for n in p.collectives() if n.codec)  # type: ignore[union-attr]
                 for v, p in plans.items()
             },
             "fallbacks": {v: len(models[v].run_log.events) for v in OPTIONS},  # type: ignore[union-attr]

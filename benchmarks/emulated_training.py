@@ -110,7 +110,11 @@ def main() -> None:
 
     def describe(_name: str, models: dict[str, nn.Module]) -> dict[str, Any]:
         plan = models["dp"].execution_plan  # type: ignore[union-attr]
-        chosen = [n.attr("algorithm") for n in plan.collectives() if n.id.startswith("bucket")]
+        chosen = [
+            n.algorithm.name if n.algorithm else "flat"
+            for n in plan.collectives()
+            if n.id.startswith("bucket")
+        ]
         return {
             "dp_vs_ddp_max_param_diff_after_5_steps": lossless_check(),
             "dp_algorithms": chosen,

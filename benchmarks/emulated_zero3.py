@@ -50,9 +50,9 @@ def main() -> None:
     def describe(_name: str, models: dict[str, nn.Module]) -> dict[str, Any]:
         plan = models["zero3"].execution_plan  # type: ignore[union-attr]
         chosen = {
-            n.attr("unit"): n.attr("algorithm")
+            n.unit: n.algorithm.name if n.algorithm else "flat"
             for n in plan.nodes
-            if n.id.endswith(".reduce_scatter")
+            if n.scatters_gradient
         }
         return {
             "zero3_vs_ddp_max_param_diff_after_5_steps": lossless_check(strategy="zero3"),

@@ -75,8 +75,8 @@ def _against_ddp(algorithm: str, rank: int) -> dict[str, Any]:
         "started_apart": differs_from_rank0("gpt", initial),
         "grad_diffs": grad_diffs,
         "diff": diff,
-        "chosen": [n.attr("algorithm") for n in buckets],
-        "predicted": [n.attr("predicted") for n in buckets],
+        "chosen": [n.algorithm.name if n.algorithm else "" for n in buckets],
+        "predicted": [n.algorithm.predicted() if n.algorithm else "" for n in buckets],
         "fingerprint": plan.fingerprint,
         "cost_model": dict(plan.meta).get("cost_model", ""),
     }
@@ -94,7 +94,7 @@ def _zero3_against_ddp(rank: int) -> dict[str, Any]:
     return {
         "grad_diffs": grad_diffs,
         "diff": diff,
-        "chosen": sorted({n.attr("algorithm") for n in sharded}),
+        "chosen": sorted({n.algorithm.name if n.algorithm else "" for n in sharded}),
         "fallbacks": sorted({f.primary for f in plan.fallbacks if f.primary.startswith("algo")}),
         "fingerprint": plan.fingerprint,
     }

@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lamina
 from lamina.comm.codecs import Codec
+from lamina.runtime import Compute
 from lamina.runtime.primitives import DISABLE_ENV
 from lamina.testing import run_ranks
 from models_for_tests import MLP, NeedsFx, NeedsHooks, batch, build, full_params, loss_of
@@ -253,7 +254,7 @@ def _capture_job(rank: int) -> dict[str, dict[str, Any]]:
         plan = ours.execution_plan
         out[name] = {
             "method": ours.graph.method,
-            "capture_attr": plan.node("forward").attr("capture"),
+            "capture_attr": plan.node("forward").facts(Compute).capture,
             "fallbacks": _fallbacks(plan, "forward"),
             "summary": ours.step_summary(),
             "events": list(ours.run_log.events),
@@ -326,7 +327,7 @@ def _compile_job(rank: int) -> dict[str, dict[str, Any]]:
             "summaries": summaries,
             "events": list(wrapped.run_log.events),
             "fallbacks": _fallbacks(plan, "forward"),
-            "mode": plan.node("forward").attr("mode"),
+            "mode": plan.node("forward").facts(Compute).mode,
             "failed": compiled.failed if (compiled := wrapped.lamina_dp.compiled) else None,
             "params": _params(wrapped.module),
         }
@@ -429,7 +430,7 @@ def _codec_job(rank: int) -> dict[str, dict[str, Any]]:
         buckets = [n for n in plan.collectives() if n.id.startswith("bucket")]
         out[name] = {
             "buckets": [n.id for n in buckets],
-            "codec_attr": [n.attr("codec") for n in buckets],
+            "codec_attr": [n.codec.name if n.codec else "none" for n in buckets],
             "wire": [n.collective.wire_dtype for n in buckets],
             "fallbacks": {n.id: _fallbacks(plan, n.id) for n in buckets},
             "events": list(wrapped.run_log.events),
@@ -609,7 +610,7 @@ def _zero3_run(name: str, runtime: Any) -> dict[str, Any]:
     steps = [n for n in plan.collectives() if n.phase != "setup"]
     return {
         "ops": {n.id: n.collective.op for n in steps},
-        "primitives": {n.id: n.attr("primitive") for n in steps},
+        "primitives": {n.id: n.detail.primitive for n in steps},
         "fallbacks": [
             (f.node, f.primary, f.alternative, f.when, f.taken, f.reason) for f in plan.fallbacks
         ],

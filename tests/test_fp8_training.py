@@ -196,9 +196,9 @@ def _against_ddp(rank: int, **options: Any) -> dict[str, Any]:
         "bucket_numels": [n.collective.numel for n in buckets],
         "drift": relative_drift(list(ours.module.state_dict().values()), ddp),
         "digest": _digest(ours.module),
-        "codec": [n.attr("codec") for n in buckets],
-        "algorithms": [n.attr("algorithm", "flat") for n in buckets],
-        "residual_bytes": sum(int(n.attr("residual_bytes", "0")) for n in buckets),
+        "codec": [n.codec.name if n.codec else "none" for n in buckets],
+        "algorithms": [n.algorithm.name if n.algorithm else "flat" for n in buckets],
+        "residual_bytes": sum(n.codec.residual_bytes for n in buckets if n.codec),
         "meta": dict(plan.meta),
         "bytes": sum(e.bytes for e in events if e.step == STEPS - 1),
         "uncompressed": sum(n.collective.numel * n.collective.element_size for n in buckets),
@@ -255,7 +255,7 @@ def _sharded_against_ddp(strategy: str, rank: int) -> dict[str, Any]:
         "drift": relative_drift(full, ddp),
         "full": [t.clone() for t in full],
         "compressed": sorted(
-            {n.id.rsplit(".", 1)[-1] for n in plan.collectives() if n.attr("codec")}
+            {n.id.rsplit(".", 1)[-1] for n in plan.collectives() if n.codec is not None}
         ),
         "error_feedback_bytes": int(dict(plan.meta).get("error_feedback_bytes", 0)),
         "roles": sorted({e.codec["role"] for e in events}),
@@ -322,7 +322,11 @@ def _uncompressed(rank: int) -> dict[str, dict[str, Any]]:
                 model.zero_grad(set_to_none=True)
             plan = model.execution_plan
             out[key]["algorithms"] = sorted(
-                {n.attr("algorithm", "flat") for n in plan.collectives() if n.phase != "setup"}
+                {
+                    n.algorithm.name if n.algorithm else "flat"
+                    for n in plan.collectives()
+                    if n.phase != "setup"
+                }
             )
     finally:
         recorder.stop(write=False)

@@ -13,7 +13,7 @@ from lamina.comm.codecs import BUILTIN_CODECS, Codec, get_codec, self_check
 from lamina.errors import ConfigError
 from lamina.graph import capture
 from lamina.memory import build_layout, group_units
-from lamina.runtime import ExecutionPlan, PlanNode, RunLog, explain
+from lamina.runtime import Compute, ExecutionPlan, PlanNode, RunLog, explain
 from lamina.runtime.primitives import choose_primitive, disabled_from_env
 from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, build_dp_plan
 from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
@@ -104,7 +104,10 @@ def test_malformed_plans_are_rejected_with_the_field() -> None:
         ExecutionPlan.from_dict({k: v for k, v in data.items() if k != "nodes"})
     with pytest.raises(ConfigError, match="names no node"):
         ExecutionPlan.from_dict({**data, "edges": [["forward", "nowhere"]]})
-    nodes = (PlanNode("a", "forward", "forward", "a"), PlanNode("b", "backward", "backward", "b"))
+    nodes = (
+        PlanNode("a", "forward", "forward", "a", Compute()),
+        PlanNode("b", "backward", "backward", "b", Compute()),
+    )
     with pytest.raises(ConfigError, match="appears twice"):
         ExecutionPlan("dp", 1, "cpu", (nodes[0], nodes[0]), ())
     cyclic = ExecutionPlan("dp", 1, "cpu", nodes, (("a", "b"), ("b", "a")))

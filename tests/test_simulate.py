@@ -16,7 +16,8 @@ from lamina.cli.main import main as lamina_main
 from lamina.comm.cost import CostModel
 from lamina.comm.layout import HostLayout
 from lamina.errors import ConfigError
-from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, PlanNode, attrs
+from lamina.runtime.nodes import Collective, Compute, Gather
+from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, PlanNode
 from lamina.simulate import MAX_DEVICES, cluster_from_dict, load_cluster, predict
 from lamina.simulate.cluster import ClusterCostModel
 from lamina.testing.cli import run_lamina
@@ -60,10 +61,11 @@ def dp_plan(buckets: list[int]) -> ExecutionPlan:
             "collective",
             "setup",
             "broadcast",
+            Collective("broadcast", source=0),
             _spec("broadcast", sum(buckets)),
         ),
-        PlanNode("forward", "forward", "forward", "forward"),
-        PlanNode("backward", "backward", "backward", "backward"),
+        PlanNode("forward", "forward", "forward", "forward", Compute()),
+        PlanNode("backward", "backward", "backward", "backward", Compute()),
     ]
     for i, numel in enumerate(buckets):
         nodes.append(
@@ -72,11 +74,11 @@ def dp_plan(buckets: list[int]) -> ExecutionPlan:
                 "collective",
                 "backward",
                 f"bucket {i}",
+                Collective("gradient", bucket=i),
                 _spec("all_reduce", numel),
-                attrs(bucket=i),
             )
         )
-    nodes.append(PlanNode("optimizer", "optimizer", "step", "optimizer"))
+    nodes.append(PlanNode("optimizer", "optimizer", "step", "optimizer", Compute()))
     return ExecutionPlan("dp", 2, "cpu", tuple(nodes), ())
 
 
@@ -90,15 +92,15 @@ def zero3_plan(
     reduce-scatter per unit; ``whole`` units are gathered for the whole forward."""
     nodes: list[PlanNode] = []
     for name, numel in units.items():
-        span = "the whole forward" if name in whole else "its forward"
+        span = "whole_forward" if name in whole else "forward"
         nodes.append(
             PlanNode(
                 f"{name}.gather.fwd",
                 "gather",
                 "forward",
-                f"gather {name} for {span}",
+                f"gather {name}",
+                Gather(name, span),
                 _spec("all_gather", numel, axis),
-                attrs(unit=name),
             )
         )
     for name, numel in reversed(units.items()):
@@ -109,8 +111,8 @@ def zero3_plan(
                     "gather",
                     "backward",
                     f"gather {name} again",
+                    Gather(name, "backward"),
                     _spec("all_gather", numel, axis),
-                    attrs(unit=name),
                 )
             )
         nodes.append(
@@ -119,8 +121,8 @@ def zero3_plan(
                 "collective",
                 "backward",
                 f"mean gradient of {name}",
+                Collective("gradient", unit=name),
                 _spec("reduce_scatter", numel, axis),
-                attrs(unit=name),
             )
         )
         if replicas:
@@ -130,12 +132,12 @@ def zero3_plan(
                     "collective",
                     "backward",
                     f"replicas of {name}",
+                    Collective("replicate", unit=name),
                     _spec("all_reduce", -(-numel // 8), replicas),
-                    attrs(unit=name),
                 )
             )
-    meta = attrs(shard_axis=axis, replicate_axis=replicas or "none")
-    return ExecutionPlan("hsdp" if replicas else "zero3", 2, "cpu", tuple(nodes), (), meta=meta)
+    strategy = "hsdp" if replicas else "zero3"
+    return ExecutionPlan(strategy, 2, "cpu", tuple(nodes), (), replicate_axis=replicas)
 
 
 # -- the cluster file -------------------------------------------------------------------------
@@ -335,7 +337,7 @@ def test_hsdp_axes_map_to_one_host_and_one_rank_per_host() -> None:
         plan.backend,
         tuple(n for n in plan.nodes if not n.id.endswith(".replicas")),
         (),
-        meta=plan.meta,
+        replicate_axis=plan.replicate_axis,
     )
     assert predict(one_host, c).per_step == z.per_step
 
@@ -384,7 +386,9 @@ def test_memory_against_device_memory_and_a_plan_without_gradients() -> None:
     assert "device memory 80 GiB:" in fits and "(fits;" in fits
     huge = predict(dp_plan([2**31]), cluster(device_memory_gib=16)).report()
     assert "DOES NOT FIT" in huge
-    empty = ExecutionPlan("dp", 1, "cpu", (PlanNode("forward", "forward", "forward", "f"),), ())
+    empty = ExecutionPlan(
+        "dp", 1, "cpu", (PlanNode("forward", "forward", "forward", "f", Compute()),), ()
+    )
     with pytest.raises(ConfigError, match="capture it on 2 or more ranks"):
         predict(empty, cluster())
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lamina.hookspecs import hookimpl
-from lamina.runtime import ExecutionPlan, PlanNode, RunLog
+from lamina.runtime import Compute, ExecutionPlan, PlanNode, RunLog
 from lamina.strategies import Placement, PlannedStep, Strategy, StrategyOptions
 from lamina.strategies.preflight import before_first_collective
 
@@ -41,8 +41,8 @@ class Solo(nn.Module):
         self.module = module
         self.scale = options.scale
         nodes = (
-            PlanNode("forward", "forward", "forward", "forward"),
-            PlanNode("optimizer", "optimizer", "step", "each rank steps alone"),
+            PlanNode("forward", "forward", "forward", "forward", Compute()),
+            PlanNode("optimizer", "optimizer", "step", "each rank steps alone", Compute()),
         )
         self.execution_plan = ExecutionPlan(
             "solo", runtime.world_size, runtime.backend.name, nodes, (("forward", "optimizer"),)

@@ -238,9 +238,7 @@ def _compare(
         "diff": max((gathered[n] - p.detach()).abs().max().item() for n, p in want.items()),
         "names": sorted(gathered) == sorted(want),
         "trained": sorted(n for n, p in want.items() if p.requires_grad),
-        "scatters": sorted(
-            str(n.attr("unit")) for n in plan.nodes if n.id.endswith(".reduce_scatter")
-        ),
+        "scatters": sorted(n.unit for n in plan.nodes if n.scatters_gradient),
         "frozen_units": str(dict(plan.meta).get("frozen_units", "")),
         "units": [u.layout.name for u in engine.units],
         "issued": sorted(ours.run_log.current.issued),  # type: ignore[union-attr]

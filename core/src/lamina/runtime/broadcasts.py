@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lamina.dtypes import dtype_from_name
-from lamina.runtime.plan import CollectiveSpec, PlanNode, attrs
+from lamina.runtime.nodes import Collective
+from lamina.runtime.plan import CollectiveSpec, PlanNode
 
 
 def setup_node(dtype: str) -> str:
@@ -32,10 +33,10 @@ def broadcast_nodes(
             "collective",
             phase,
             f"broadcast {dtype} {what} from rank {group[0]}",
+            Collective("broadcast", source=group[0]),
             CollectiveSpec(
                 "broadcast", dtype, numel, dtype_from_name(dtype).itemsize, group, axis=axis
             ),
-            attrs(source=group[0], when="wrap time" if setup else "training forward"),
         )
         for dtype, numel in state
     ]

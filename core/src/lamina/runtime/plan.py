@@ -1,8 +1,10 @@
 """The execution plan: the DAG of one training step that a strategy builds and runs.
 
-Nodes are compute units (forward, backward), collectives (op, dtype, element count,
-process group, the bucket or unit they serve), parameter gathers and frees, and the
-optimizer step; edges are data dependencies. Every preferred path that has a declared
+Nodes are compute units (forward, backward, the optimizer step, of a stage and a
+microbatch where they apply), collectives (op, dtype, element count, process group, and
+the bucket or unit they serve, their algorithm and codec), parameter gathers and frees,
+and pipeline sends and recvs; each kind's facts are a typed dataclass
+(:mod:`lamina.runtime.nodes`). Edges are data dependencies. Every preferred path that has a declared
 alternative carries a :class:`Fallback` with the condition that triggers it; a fallback
 decided while planning (capture, collective primitive, codec self-check) is part of the
 plan and of its fingerprint, one taken while running (compiled forward, codec overflow)
@@ -12,20 +14,30 @@ primitives, codecs and compute mode from the plan's nodes, so the plan is what r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 from lamina.errors import ConfigError
+from lamina.runtime.node_json import detail_from_dict, detail_to_dict
+from lamina.runtime.nodes import (
+    DETAIL_OF_KIND,
+    AlgorithmFact,
+    CodecFact,
+    Collective,
+    Compute,
+    Free,
+    Gather,
+    NodeDetail,
+)
 from lamina.units import format_bytes
 
-PLAN_VERSION = 1
-
-NodeKind = Literal["forward", "backward", "collective", "gather", "free", "optimizer"]
-NODE_KINDS: tuple[str, ...] = ("forward", "backward", "collective", "gather", "free", "optimizer")
-Phase = Literal["forward", "backward", "step"]
+#: 2: each node's facts are a typed ``detail`` (1 held them as ``attrs`` strings).
+PLAN_VERSION = 2
+D = TypeVar("D")
 
 #: Collective ops a plan node may issue.
 COLLECTIVE_OPS: tuple[str, ...] = (
@@ -79,18 +91,59 @@ class CollectiveSpec:
 
 @dataclass(frozen=True)
 class PlanNode:
-    """One task of the step; ``attrs`` hold kind-specific facts as strings."""
+    """One task of the step: its ``kind``'s typed facts in ``detail``
+    (:data:`~lamina.runtime.nodes.DETAIL_OF_KIND`), and for collectives and gathers the
+    collective it issues. ``label`` is for people only: nothing reads it back."""
 
     id: str
     kind: str
     phase: str
     label: str
+    detail: NodeDetail
     collective: CollectiveSpec | None = None
-    attrs: tuple[tuple[str, str], ...] = ()
 
-    def attr(self, key: str, default: str = "") -> str:
-        """The value of attribute ``key`` (``default`` when absent)."""
-        return dict(self.attrs).get(key, default)
+    def __post_init__(self) -> None:
+        expected = DETAIL_OF_KIND.get(self.kind)
+        if expected is None:
+            raise ConfigError(
+                f"execution plan node {self.id!r} has unknown kind {self.kind!r}; "
+                f"use one of {', '.join(DETAIL_OF_KIND)}"
+            )
+        if not isinstance(self.detail, expected):
+            raise ConfigError(
+                f"execution plan node {self.id!r} ({self.kind}) holds a "
+                f"{type(self.detail).__name__}; a {self.kind} node holds a {expected.__name__}"
+            )
+        if (self.collective is None) == (self.kind in ("collective", "gather")):
+            needs = "needs" if self.collective is None else "has no use for"
+            raise ConfigError(f"execution plan node {self.id!r} ({self.kind}) {needs} a collective")
+
+    def facts(self, kind: type[D]) -> D | None:
+        """``detail`` when it is a ``kind`` (None otherwise): ``node.facts(Collective)``."""
+        return self.detail if isinstance(self.detail, kind) else None
+
+    @property
+    def algorithm(self) -> AlgorithmFact | None:
+        """The algorithm this node's collective runs (None: flat, nothing chosen)."""
+        detail = self.detail
+        return detail.algorithm if isinstance(detail, (Collective, Gather)) else None
+
+    @property
+    def codec(self) -> CodecFact | None:
+        """The codec this node's collective travels in (None: uncompressed)."""
+        return self.detail.codec if isinstance(self.detail, Collective) else None
+
+    @property
+    def scatters_gradient(self) -> bool:
+        """Whether this node reduces a ZeRO-3 unit's gradient into the shards."""
+        detail = self.detail
+        return isinstance(detail, Collective) and detail.purpose == "gradient" and bool(detail.unit)
+
+    @property
+    def unit(self) -> str:
+        """The ZeRO-3 unit this node serves (``""``: none)."""
+        detail = self.detail
+        return detail.unit if isinstance(detail, (Collective, Gather, Free, Compute)) else ""
 
 
 @dataclass(frozen=True)
@@ -122,7 +175,12 @@ class ExecutionPlan:
     edges: tuple[tuple[str, str], ...]
     fallbacks: tuple[Fallback, ...] = ()
     graph_fingerprint: str = ""
+    #: Descriptive facts of the whole plan, for people (``lamina plan`` prints them).
     meta: tuple[tuple[str, str], ...] = ()
+    #: The mesh axis (or axes) a sharded gradient is averaged across after its
+    #: reduce-scatter (HSDP's replicas; ``""`` without): the simulator sizes the replica
+    #: all-reduces of a capture that had a single replica from it.
+    replicate_axis: str = ""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -188,9 +246,14 @@ class ExecutionPlan:
         op, dtype, size, mesh axis and group size, the same on every rank."""
         return [f"{n.id}: {n.collective.canonical()}" for n in self.collectives() if n.collective]
 
-    # -- serialization -------------------------------------------------------------------
+    def with_nodes(self, nodes: tuple[PlanNode, ...]) -> ExecutionPlan:
+        """This plan with ``nodes`` in place of its own (edges and fallbacks kept): where
+        run-time facts fill a node's detail."""
+        return dataclasses.replace(self, nodes=nodes, _index={})
+
+    # -- serialization (JSON only at the edges) ----------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``from_dict`` reads it back)."""
+        """A JSON-ready dict (``from_dict`` reads it back into an equal plan)."""
         return {**self.to_dict_without_fingerprint(), "fingerprint": self.fingerprint}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -212,11 +275,12 @@ class ExecutionPlan:
                 backend=str(data["backend"]),
                 graph_fingerprint=str(data.get("graph_fingerprint", "")),
                 meta=tuple(sorted((str(k), str(v)) for k, v in data.get("meta", {}).items())),
+                replicate_axis=str(data.get("replicate_axis", "")),
                 nodes=tuple(_node_from(n) for n in data["nodes"]),
                 edges=tuple((str(a), str(b)) for a, b in data["edges"]),
                 fallbacks=tuple(Fallback(**f) for f in data.get("fallbacks", [])),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError(
@@ -244,6 +308,7 @@ class ExecutionPlan:
             "backend": self.backend,
             "graph_fingerprint": self.graph_fingerprint,
             "meta": dict(self.meta),
+            "replicate_axis": self.replicate_axis,
             "nodes": [_node_dict(n) for n in self.nodes],
             "edges": [list(e) for e in self.edges],
             "fallbacks": [asdict(f) for f in self.fallbacks],
@@ -259,7 +324,7 @@ def _node_dict(node: PlanNode) -> dict[str, Any]:
         "kind": node.kind,
         "phase": node.phase,
         "label": node.label,
-        "attrs": dict(node.attrs),
+        "detail": detail_to_dict(node.detail),
     }
     if node.collective is not None:
         spec = asdict(node.collective)
@@ -269,23 +334,27 @@ def _node_dict(node: PlanNode) -> dict[str, Any]:
 
 
 def _node_from(data: dict[str, Any]) -> PlanNode:
+    kind = str(data["kind"])
+    if kind not in DETAIL_OF_KIND:
+        raise ConfigError(
+            f"execution plan node {data.get('id')!r} has unknown kind {kind!r}; "
+            f"use one of {', '.join(DETAIL_OF_KIND)}"
+        )
     spec = data.get("collective")
     collective = None
     if spec is not None:
         collective = CollectiveSpec(**{**spec, "group": tuple(int(r) for r in spec["group"])})
-    kind = str(data["kind"])
-    if kind not in NODE_KINDS:
-        raise ConfigError(f"execution plan node {data.get('id')!r} has unknown kind {kind!r}")
     return PlanNode(
         id=str(data["id"]),
         kind=kind,
         phase=str(data["phase"]),
         label=str(data["label"]),
+        detail=detail_from_dict(kind, dict(data["detail"]), str(data["id"])),
         collective=collective,
-        attrs=tuple(sorted((str(k), str(v)) for k, v in data.get("attrs", {}).items())),
     )
 
 
-def attrs(**values: object) -> tuple[tuple[str, str], ...]:
-    """Node attributes from keyword arguments (sorted, stringified)."""
+def meta_items(**values: object) -> tuple[tuple[str, str], ...]:
+    """The plan's ``meta`` (sorted, stringified): descriptive facts of the whole plan that
+    ``lamina plan`` prints; no engine, strategy or simulator reads them back."""
     return tuple(sorted((k, str(v)) for k, v in values.items()))

@@ -91,31 +91,30 @@ def _algorithm_lines(plan: ExecutionPlan) -> list[str]:
     """The algorithm of each collective that has one (DP buckets' all-reduces, ZeRO-3's
     gathers and reduce-scatters): the cost model's predicted time of every algorithm
     that can run, and the choice."""
-    chosen = [n for n in plan.collectives() if n.attr("algorithm")]
+    chosen = [(n, n.algorithm) for n in plan.collectives() if n.algorithm is not None]
     if not chosen:
         return []
     model = dict(plan.meta).get("cost_model", "")
     lines = ["", "collective algorithms (cost model" + (f": {model})" if model else ")")]
     rows: list[tuple[str, ...]] = [("node", "bytes", "chosen", "predicted per algorithm")]
-    for node in chosen:
+    for node, algorithm in chosen:
         assert node.collective is not None
-        chunks = int(node.attr("chunks", "1"))
-        pick = node.attr("algorithm") + (f" x{chunks} chunks" if chunks > 1 else "")
-        rows.append((node.id, format_bytes(node.collective.nbytes), pick, node.attr("predicted")))
+        nbytes = format_bytes(node.collective.nbytes)
+        rows.append((node.id, nbytes, algorithm.describe(), algorithm.predicted()))
     return lines + _table(rows)
 
 
 def _codec_lines(plan: ExecutionPlan) -> list[str]:
-    """The two-phase codec's buckets: where it compresses and the error-feedback memory
-    each holds (per rank)."""
-    compressed = [n for n in plan.collectives() if n.attr("codec_scope")]
+    """The compressed collectives: their codec, where it compresses and the error-feedback
+    memory each holds (per rank)."""
+    compressed = [(n, n.codec) for n in plan.collectives() if n.codec is not None]
     if not compressed:
         return []
-    total = sum(int(n.attr("residual_bytes", "0")) for n in compressed)
+    total = sum(codec.residual_bytes for _, codec in compressed)
     lines = ["", f"gradient codec (error feedback holds {format_bytes(total)} per rank)"]
     rows: list[tuple[str, ...]] = [("node", "codec", "scope", "error feedback", "residuals")]
-    for node in compressed:
-        feedback = "on" if node.attr("error_feedback") == "True" else "off"
-        residual = format_bytes(int(node.attr("residual_bytes", "0")))
-        rows.append((node.id, node.attr("codec"), node.attr("codec_scope"), feedback, residual))
+    for node, codec in compressed:
+        feedback = "on" if codec.error_feedback else "off"
+        residual = format_bytes(codec.residual_bytes)
+        rows.append((node.id, codec.name, codec.scope, feedback, residual))
     return lines + _table(rows)

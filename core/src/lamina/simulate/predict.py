@@ -61,6 +61,7 @@ from typing import Any
 
 from lamina.comm.cost import ALGORITHMS, unavailable_algorithms
 from lamina.errors import ConfigError
+from lamina.runtime.nodes import Collective, Gather
 from lamina.runtime.plan import ExecutionPlan, PlanNode
 from lamina.simulate.cluster import Cluster, ClusterCostModel
 from lamina.units import format_bytes
@@ -450,7 +451,7 @@ def modelled_op(node: PlanNode) -> str:
     assert spec is not None
     if node.kind == "gather":
         return "all_gather"
-    if node.id.endswith(".reduce_scatter"):
+    if node.scatters_gradient:
         return "reduce_scatter"
     return spec.op
 
@@ -497,9 +498,8 @@ def replica_all_reduce(groups: _Groups, scatter: PlanNode, axis: str) -> Collect
     nbytes = -(-spec.numel // shard) * spec.element_size
     group = groups.of(axis)
     algorithm, chunks, phases = group.all_reduce(nbytes)
-    unit = scatter.id.removesuffix(".reduce_scatter")
     return CollectiveTime(
-        f"{unit}.all_reduce.replicas",
+        f"{scatter.unit}.all_reduce.replicas",
         "all_reduce",
         scatter.phase,
         nbytes,
@@ -521,14 +521,14 @@ def predict(
     groups = _Groups(cluster)
     per_step: list[CollectiveTime] = []
     once: list[CollectiveTime] = []
-    replicate_axis = dict(plan.meta).get("replicate_axis", "none")
-    replicated = replicate_axis not in ("", "none")
+    replicate_axis = plan.replicate_axis
     for node in plan.collectives():
-        if replicated and node.id.endswith(".all_reduce.replicas"):
+        collective = node.facts(Collective)
+        if replicate_axis and collective is not None and collective.purpose == "replicate":
             continue  # sized for the capture's shard group: derived again below
         timed = predict_collective(groups, node)
         (once if node.phase == "setup" else per_step).append(timed)
-        if replicated and node.id.endswith(".reduce_scatter"):
+        if replicate_axis and node.scatters_gradient:
             per_step.append(replica_all_reduce(groups, node, replicate_axis))
     memory = estimate_memory(plan, cluster, groups, optimizer_bytes_per_param)
     return StepPrediction(
@@ -590,16 +590,16 @@ def _sharded_memory(
     units: dict[str, tuple[int, int, int, bool]] = {}
     scatter_size: dict[str, int] = {}
     for node in plan.collectives():
-        if node.id.endswith(".reduce_scatter") and node.collective is not None:
-            scatter_size[node.attr("unit", node.id)] = node.collective.element_size
+        if node.scatters_gradient and node.collective is not None:
+            scatter_size[node.unit] = node.collective.element_size
     shard_group = 1
     for node in gathers:
-        spec = node.collective
-        assert spec is not None
-        unit = node.attr("unit", node.id)
+        spec, gather = node.collective, node.facts(Gather)
+        assert spec is not None and gather is not None
+        unit = gather.unit
         shard_group = max(shard_group, groups.of(spec.axis).size)
         size = scatter_size.get(unit, spec.element_size)
-        kept = "whole forward" in node.label
+        kept = gather.span == "whole_forward"
         old = units.get(unit)
         units[unit] = (spec.numel, size, spec.nbytes, kept or (old is not None and old[3]))
     psi = sum(n for n, _, _, _ in units.values())
@@ -641,7 +641,7 @@ def assumptions(plan: ExecutionPlan, cluster: Cluster, k: float) -> tuple[str, .
                 "HSDP replica all-reduces: one per unit after its reduce-scatter, of the shard "
                 "the simulated shard group holds (derived from the unit, not the capture)"
             ]
-            if dict(plan.meta).get("replicate_axis", "none") not in ("", "none")
+            if plan.replicate_axis
             else []
         ),
         f"memory: model state only, K = {k:g} B of optimizer state per parameter (AdamW: two "

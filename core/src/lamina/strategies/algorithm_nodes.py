@@ -1,19 +1,20 @@
 """How a plan node records the collective algorithm the cost model chose for it (DP
-buckets, ZeRO-3 gathers and reduce-scatters): its attributes and its fallback edge."""
+buckets, ZeRO-3 gathers and reduce-scatters): its typed fact and its fallback edge."""
 
 from __future__ import annotations
 
 from lamina.comm.cost import AlgorithmChoice
+from lamina.runtime.nodes import AlgorithmFact
 from lamina.runtime.plan import Fallback
 
 
-def algorithm_attrs(choice: AlgorithmChoice | None) -> dict[str, object]:
-    """The node attributes of ``choice``: the algorithm, its chunk count and every
-    runnable algorithm's predicted time (none without a choice: flat)."""
+def algorithm_fact(choice: AlgorithmChoice | None) -> AlgorithmFact | None:
+    """The plan's record of ``choice``: the algorithm, its chunk count and every runnable
+    algorithm's predicted seconds (None without a choice: flat)."""
     if choice is None:
-        return {}
-    predicted = " ".join(f"{name}={seconds * 1e3:.3f}ms" for name, seconds in choice.predictions)
-    return {"algorithm": choice.algorithm, "chunks": choice.chunks, "predicted": predicted}
+        return None
+    predictions = tuple((name, float(seconds)) for name, seconds in choice.predictions)
+    return AlgorithmFact(choice.algorithm, choice.chunks, predictions)
 
 
 def algorithm_fallback(node_id: str, choice: AlgorithmChoice) -> Fallback:

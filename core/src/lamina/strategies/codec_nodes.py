@@ -24,5 +24,5 @@ def fp8_fallback(node_id: str, codec: Fp8Codec) -> Fallback:
 def error_feedback_meta(nodes: Iterable[PlanNode]) -> dict[str, object]:
     """The plan's error-feedback memory per rank (``residual_bytes`` of its nodes) as a
     plan attribute, when it has any."""
-    total = sum(int(n.attr("residual_bytes", "0")) for n in nodes)
+    total = sum(n.codec.residual_bytes for n in nodes if n.codec is not None)
     return {"error_feedback_bytes": total} if total else {}

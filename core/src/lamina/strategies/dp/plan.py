@@ -15,9 +15,10 @@ from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
 from lamina.runtime.broadcasts import broadcast_nodes
-from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
+from lamina.runtime.nodes import CodecFact, Collective, Compute
+from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, meta_items
 from lamina.strategies.algorithm_nodes import (
-    algorithm_attrs,
+    algorithm_fact,
     algorithm_fallback,
     records_algorithm,
 )
@@ -94,12 +95,12 @@ def _codec_applies(inputs: DPPlanInputs, dtype: str, choice: AlgorithmChoice | N
     return (inputs.codec_checks or {}).get(dtype, "")
 
 
-def _codec_attrs(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> dict[str, object]:
-    """The bucket node's codec attributes; fp8's error-feedback memory among them."""
+def _codec_fact(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> CodecFact | None:
+    """The bucket's codec (None: uncompressed); fp8's error-feedback memory with it."""
     if wire is None:
-        return {"codec": "none"}
+        return None
     if not isinstance(wire, Fp8Codec):
-        return {"codec": wire.name}
+        return CodecFact(wire.name)
     residual = 0
     if wire.settings.error_feedback:
         if inputs.codec_scope == "inter":  # the 1/L shard, summed over the hosts
@@ -108,12 +109,7 @@ def _codec_attrs(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> dict[s
             residual = Fp8Sum.residual_bytes(shard, hosts, wire.settings.block)
         else:
             residual = Fp8Sum.residual_bytes(numel, len(inputs.group), wire.settings.block)
-    return {
-        "codec": wire.name,
-        "codec_scope": inputs.codec_scope,
-        "error_feedback": wire.settings.error_feedback,
-        "residual_bytes": residual,
-    }
+    return CodecFact(wire.name, inputs.codec_scope, wire.settings.error_feedback, residual)
 
 
 def _codec_fallbacks(node_id: str, codec: Codec, failed: str) -> list[Fallback]:
@@ -167,13 +163,14 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                 "collective",
                 "backward",
                 f"bucket {bucket.index}: {len(names)} gradient(s), {names[0]} .. {names[-1]}{how}",
-                spec,
-                attrs(
+                Collective(
+                    "gradient",
                     bucket=bucket.index,
                     params=len(names),
-                    **_codec_attrs(inputs, bucket.numel, wire),
-                    **algorithm_attrs(choice),
+                    algorithm=algorithm_fact(choice),
+                    codec=_codec_fact(inputs, bucket.numel, wire),
                 ),
+                spec,
             )
         )
         if choice is not None and records_algorithm(choice):
@@ -202,7 +199,7 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
             "forward",
             "forward",
             f"forward ({inputs.graph.method} graph, {len(inputs.graph.nodes)} nodes, {mode})",
-            attrs=attrs(capture=inputs.graph.method, mode=mode),
+            Compute(capture=inputs.graph.method, mode=mode),
         )
     )
     if inputs.compile_backend:
@@ -215,20 +212,22 @@ def build_dp_plan(inputs: DPPlanInputs) -> ExecutionPlan:
                 when="run",
             )
         )
-    nodes.append(PlanNode(BACKWARD, "backward", "backward", "backward (autograd)"))
+    nodes.append(PlanNode(BACKWARD, "backward", "backward", "backward (autograd)", Compute()))
     edges.append((FORWARD, BACKWARD))
     buckets, bucket_fallbacks = _bucket_nodes(inputs)
     fallbacks.extend(bucket_fallbacks)
     nodes.extend(buckets if world > 1 else [])
     if world > 1 and inputs.buckets.excluded:
         nodes.append(_excluded_node(inputs))
-    nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)"))
+    nodes.append(
+        PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)", Compute())
+    )
     for node in nodes:
         if node.phase == "backward" and node.collective is not None:
             edges += [(BACKWARD, node.id), (node.id, OPTIMIZER)]
     if world == 1:
         edges.append((BACKWARD, OPTIMIZER))
-    plan_meta = attrs(
+    plan_meta = meta_items(
         cap_bytes=inputs.buckets.cap_bytes,
         first_bucket_bytes=inputs.buckets.first_bucket_bytes,
         alignment_bytes=inputs.buckets.alignment_bytes,
@@ -263,6 +262,7 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
         "backward",
         f"all-reduce of the gradients of {len(excluded)} parameter(s) unused in the captured "
         "forward, with one used-flag each (every step: any rank may have used them)",
+        Collective("unused", params=len(excluded)),
         CollectiveSpec(
             "all_reduce",
             dtype,
@@ -271,7 +271,6 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
             inputs.group,
             axis=inputs.axis,
         ),
-        attrs(params=len(excluded)),
     )
 
 

@@ -248,7 +248,7 @@ class DataParallelState:
         the algorithms)."""
         if self.options.codec_scope != "all" or execution.world_size == 1:
             return None
-        if not any(n.attr("codec") == "fp8" for n in execution.collectives()):
+        if not any(n.codec is not None and n.codec.name == "fp8" for n in execution.collectives()):
             return None
         return Fp8Channel(self.ranks, self._pg_backend())
 
@@ -261,8 +261,8 @@ class DataParallelState:
         for b in self.plan.buckets if self.plan is not None else ():
             if execution.world_size == 1:
                 continue
-            node = execution.node(plan_dp.bucket_node(b.index))
-            out[b.index] = (node.attr("algorithm", "flat"), int(node.attr("chunks", "1")))
+            algorithm = execution.node(plan_dp.bucket_node(b.index)).algorithm
+            out[b.index] = (algorithm.name, algorithm.chunks) if algorithm else ("flat", 1)
         return out
 
     def _algorithm_groups(self, execution: ExecutionPlan) -> AlgorithmGroups | None:
@@ -286,7 +286,7 @@ class DataParallelState:
         return {
             b.index: self.codec
             for b in (self.plan.buckets if self.plan is not None else ())
-            if execution.node(plan_dp.bucket_node(b.index)).attr("codec") != "none"
+            if execution.node(plan_dp.bucket_node(b.index)).codec is not None
         }
 
     # -- running -------------------------------------------------------------------------

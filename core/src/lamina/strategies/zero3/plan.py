@@ -16,10 +16,11 @@ from lamina.comm.fp8 import Fp8Scatter, Fp8Sum
 from lamina.dtypes import dtype_from_name
 from lamina.memory.layout import ShardLayout, UnitLayout
 from lamina.runtime.broadcasts import broadcast_nodes
-from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, attrs
+from lamina.runtime.nodes import CodecFact, Collective, Compute, Free, Gather, GatherSpan
+from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, meta_items
 from lamina.runtime.primitives import PrimitiveChoice
 from lamina.strategies.algorithm_nodes import (
-    algorithm_attrs,
+    algorithm_fact,
     algorithm_fallback,
     records_algorithm,
 )
@@ -145,21 +146,21 @@ def _replicate_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec
     )
 
 
-def _codec_attrs(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> dict[str, object]:
-    """The codec attributes of ``unit``'s ``role`` collective (none when not compressed)."""
+def _codec_fact(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> CodecFact | None:
+    """The codec of ``unit``'s ``role`` collective (None when not compressed)."""
     codec = inputs.codec
     if codec is None or inputs.codec_role() != role:
-        return {}
+        return None
     if role == "scatter":
         residual = Fp8Scatter.residual_bytes(unit.total_numel, len(inputs.groups.shard))
     else:
         residual = Fp8Sum.residual_bytes(unit.shard_numel, len(inputs.groups.replicate))
-    return {
-        "codec": codec.name,
-        "codec_scope": "all" if role == "scatter" else "replicas",
-        "error_feedback": codec.settings.error_feedback,
-        "residual_bytes": residual if codec.settings.error_feedback else 0,
-    }
+    return CodecFact(
+        codec.name,
+        "all" if role == "scatter" else "replicas",
+        codec.settings.error_feedback,
+        residual if codec.settings.error_feedback else 0,
+    )
 
 
 def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
@@ -181,21 +182,34 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     previous = ""
     for unit in order:  # forward
         gather = gather_node(unit.name, "fwd")
-        span = "the whole forward" if unit.name in inputs.whole_forward else "its forward"
-        nodes.append(_gather(inputs, unit, gather, "forward", f"gather {unit.name} for {span}"))
+        whole = unit.name in inputs.whole_forward
+        span = "the whole forward" if whole else "its forward"
+        nodes.append(
+            _gather(
+                inputs,
+                unit,
+                gather,
+                "whole_forward" if whole else "forward",
+                f"gather {unit.name} for {span}",
+            )
+        )
         compute = f"{unit.name}.forward"
-        nodes.append(PlanNode(compute, "forward", "forward", f"forward of {unit.name}"))
+        nodes.append(
+            PlanNode(compute, "forward", "forward", f"forward of {unit.name}", Compute(unit.name))
+        )
         edges.append((gather, compute))
         if previous:
             edges.append((previous, compute))
         previous = compute
         if inputs.reshards(unit.name):
             free = f"{unit.name}.free.fwd"
-            nodes.append(PlanNode(free, "free", "forward", f"free {unit.name} after forward"))
+            label = f"free {unit.name} after forward"
+            nodes.append(PlanNode(free, "free", "forward", label, Free(unit.name)))
             edges.append((compute, free))
     for unit in reversed(order):  # backward
         compute = f"{unit.name}.backward"
-        nodes.append(PlanNode(compute, "backward", "backward", f"backward of {unit.name}"))
+        label = f"backward of {unit.name}"
+        nodes.append(PlanNode(compute, "backward", "backward", label, Compute(unit.name)))
         edges.append((previous, compute))
         frozen = unit.name in inputs.frozen_units
         if inputs.reshards(unit.name):
@@ -205,7 +219,8 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             edges.append((gather, compute))
         if frozen:  # no gradient: backward reads the weights only
             free = f"{unit.name}.free.bwd"
-            nodes.append(PlanNode(free, "free", "backward", f"free {unit.name} after backward"))
+            label = f"free {unit.name} after backward"
+            nodes.append(PlanNode(free, "free", "backward", label, Free(unit.name)))
             edges.append((compute, free))
             previous = compute
             continue
@@ -216,13 +231,14 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                 "collective",
                 "backward",
                 f"mean gradient of {unit.name} into the shards",
-                _scatter_spec(inputs, unit),
-                attrs(
+                Collective(
+                    "gradient",
                     unit=unit.name,
                     primitive=inputs.scatter.op,
-                    **algorithm_attrs(inputs.algorithm_of(unit.name)),
-                    **_codec_attrs(inputs, unit, "scatter"),
+                    algorithm=algorithm_fact(inputs.algorithm_of(unit.name)),
+                    codec=_codec_fact(inputs, unit, "scatter"),
                 ),
+                _scatter_spec(inputs, unit),
             )
         )
         edges.append((compute, scatter))
@@ -235,27 +251,31 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
                     "collective",
                     "backward",
                     f"mean of {unit.name}'s shard gradient across the replicas",
+                    Collective(
+                        "replicate", unit=unit.name, codec=_codec_fact(inputs, unit, "replicate")
+                    ),
                     _replicate_spec(inputs, unit),
-                    attrs(unit=unit.name, **_codec_attrs(inputs, unit, "replicate")),
                 )
             )
             edges.append((scatter, replicate))
             done = replicate
         free = f"{unit.name}.free.bwd"
-        nodes.append(PlanNode(free, "free", "backward", f"free {unit.name} after backward"))
+        label = f"free {unit.name} after backward"
+        nodes.append(PlanNode(free, "free", "backward", label, Free(unit.name)))
         edges += [(done, free), (done, OPTIMIZER)]
         previous = compute
-    nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step on the flat shards"))
+    label = "optimizer step on the flat shards"
+    nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", label, Compute()))
     for node in nodes:
-        if node.attr("codec") and inputs.codec is not None:
+        if node.codec is not None and inputs.codec is not None:
             fallbacks.append(fp8_fallback(node.id, inputs.codec))
         if node.kind == "gather":
             fallbacks.append(_fallback(node.id, inputs.gather))
-        elif node.id.endswith(".reduce_scatter"):
+        elif node.scatters_gradient:
             fallbacks.append(_fallback(node.id, inputs.scatter))
         else:
             continue
-        choice = inputs.algorithm_of(str(node.attr("unit")))
+        choice = inputs.algorithm_of(node.unit)
         if choice is not None and records_algorithm(choice):
             fallbacks.append(algorithm_fallback(node.id, choice))
     return ExecutionPlan(
@@ -266,7 +286,8 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
         edges=tuple(edges),
         fallbacks=tuple(fallbacks),
         graph_fingerprint=inputs.layout.fingerprint(),
-        meta=attrs(
+        replicate_axis=groups.replicate_axis,
+        meta=meta_items(
             pg_backend=inputs.pg_backend,
             compute_dtype=inputs.compute_dtype or "shard dtype",
             reshard_after_forward=inputs.reshard_after_forward,
@@ -286,20 +307,21 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
 
 
 def _gather(
-    inputs: Zero3PlanInputs, unit: UnitLayout, node_id: str, phase: str, label: str
+    inputs: Zero3PlanInputs, unit: UnitLayout, node_id: str, span: GatherSpan, label: str
 ) -> PlanNode:
     return PlanNode(
         node_id,
         "gather",
-        phase,
+        "backward" if span == "backward" else "forward",
         label,
-        _gather_spec(inputs, unit),
-        attrs(
-            unit=unit.name,
+        Gather(
+            unit.name,
+            span,
             primitive=inputs.gather.op,
-            **algorithm_attrs(inputs.algorithm_of(unit.name)),
-            **({"frozen": True} if unit.name in inputs.frozen_units else {}),
+            frozen=unit.name in inputs.frozen_units,
+            algorithm=algorithm_fact(inputs.algorithm_of(unit.name)),
         ),
+        _gather_spec(inputs, unit),
     )
 
 
@@ -317,8 +339,8 @@ def _fallback(node_id: str, choice: PrimitiveChoice) -> Fallback:
 def codec_role_of(plan: ExecutionPlan) -> str:
     """The gradient collective the plan compresses: "scatter", "replicate" or ''."""
     for node in plan.collectives():
-        if node.attr("codec"):
-            return "scatter" if node.id == scatter_node(str(node.attr("unit"))) else "replicate"
+        if node.codec is not None:
+            return "scatter" if node.scatters_gradient else "replicate"
     return ""
 
 

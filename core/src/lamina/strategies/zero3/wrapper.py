@@ -41,6 +41,7 @@ from lamina.memory.gather import Primitive
 from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
+from lamina.runtime.nodes import Collective, Gather
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.contract import Placement as MeshPlacement
@@ -470,10 +471,11 @@ def _choose_algorithms(
 def _hierarchical_units(plan: ExecutionPlan) -> frozenset[str]:
     """The units whose gathers and reduce-scatter the plan runs hierarchically."""
     return frozenset(
-        n.attr("unit")
+        n.unit
         for n in plan.nodes
-        if (n.kind == "gather" or n.id.endswith(".reduce_scatter"))
-        and n.attr("algorithm") == "hierarchical"
+        if (n.kind == "gather" or n.scatters_gradient)
+        and n.algorithm is not None
+        and n.algorithm.name == "hierarchical"
     )
 
 
@@ -567,14 +569,14 @@ _PRIMITIVES: dict[str, Primitive] = {
 
 def _gather_primitive(plan: ExecutionPlan) -> Primitive:
     """The primitive the plan's first gather node uses (all gathers share it)."""
-    gathers = [n for n in plan.nodes if n.kind == "gather"]
-    return _PRIMITIVES[gathers[0].attr("primitive") if gathers else "all_gather"]
+    gathers = [g for n in plan.nodes if (g := n.facts(Gather)) is not None]
+    return _PRIMITIVES[gathers[0].primitive if gathers else "all_gather"]
 
 
 def _scatter_primitive(plan: ExecutionPlan) -> Primitive:
     """The primitive the plan's reduce-scatter nodes use."""
-    scatters = [n for n in plan.nodes if n.id.endswith(".reduce_scatter")]
-    return _PRIMITIVES[scatters[0].attr("primitive") if scatters else "reduce_scatter"]
+    scatters = [c for n in plan.nodes if n.scatters_gradient and (c := n.facts(Collective))]
+    return _PRIMITIVES[scatters[0].primitive if scatters else "reduce_scatter"]
 
 
 def _places(module: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
