@@ -28,17 +28,12 @@ from lamina.comm.buckets import (
     ring_all_reduce_cost,
 )
 from lamina.comm.codecs import Codec, get_codec, self_check
-from lamina.comm.cost import (
-    ALGORITHMS,
-    AlgorithmChoice,
-    CostModel,
-    choose_algorithm,
-    unavailable_algorithms,
-)
+from lamina.comm.cost import ALGORITHMS, AlgorithmChoice, CostModel, unavailable_algorithms
 from lamina.comm.fp8 import Fp8Channel
 from lamina.comm.reducer import GradientReducer
 from lamina.graph import CapturedGraph, capture
 from lamina.runtime import ExecutionPlan, RunLog
+from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.contract import Placement, PlannedStep
 from lamina.strategies.dp import plan as plan_dp
@@ -124,8 +119,7 @@ class DataParallelState:
             for name in graph.param_names
         ]
         unused = set(graph.unused)
-        if len(self.ranks) > 1:
-            self._cost_model = CostModel.from_topology(self.runtime.topology, self.ranks)
+        self._cost_model = group_cost_model(self.runtime.topology, self.ranks)
         alpha, beta = self._bucket_latency(self._cost_model)
         cap = self._cap_bytes or auto_bucket_cap(
             [p for p in specs if p.name not in unused], alpha_s=alpha, beta_s_per_byte=beta
@@ -220,22 +214,25 @@ class DataParallelState:
 
     def _choose_algorithms(self, buckets: BucketPlan) -> dict[int, AlgorithmChoice]:
         """Each bucket's all-reduce algorithm, from the cost model of the group's links."""
-        model = self._cost_model
-        if len(self.ranks) == 1 or model is None:
-            return {}
-        unavailable = unavailable_algorithms(model.layout, self._pg_backend(), self._whole_job())
-        requested = self.options.algorithm
-        choices = {}
-        for b in buckets.buckets:
-            excluded = unavailable
-            if self._two_phase(b.dtype):
-                if self.options.codec_scope == "all":
-                    continue  # the two-phase sum over the whole group is its algorithm
-                if "hierarchical" not in unavailable:  # "inter": keep an inter-host phase
-                    why = "codec_scope='inter' compresses an inter-host phase"
-                    excluded = {**unavailable, "flat": why, "ordered": why}
-            choices[b.index] = choose_algorithm(model, b.nbytes, requested, excluded)
-        return choices
+
+        def exclusions(index: int, unavailable: dict[str, str]) -> dict[str, str] | None:
+            if not self._two_phase(buckets.buckets[index].dtype):
+                return unavailable
+            if self.options.codec_scope == "all":
+                return None  # the two-phase sum over the whole group is its algorithm
+            if "hierarchical" in unavailable:
+                return unavailable
+            why = "codec_scope='inter' compresses an inter-host phase"  # keep that phase
+            return {**unavailable, "flat": why, "ordered": why}
+
+        return choose_algorithms(
+            self._cost_model,
+            {b.index: b.nbytes for b in buckets.buckets},
+            self.options.algorithm,
+            pg_backend=self._pg_backend(),
+            whole_job=self._whole_job(),
+            exclusions=exclusions,
+        )
 
     def _two_phase(self, dtype: str) -> bool:
         """Whether the codec sums buckets of ``dtype`` in two phases."""

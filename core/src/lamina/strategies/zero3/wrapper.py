@@ -27,12 +27,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.codecs import Fp8Codec
-from lamina.comm.cost import (
-    AlgorithmChoice,
-    CostModel,
-    choose_sharded_algorithm,
-    unavailable_algorithms,
-)
+from lamina.comm.cost import AlgorithmChoice
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout, build_layout, group_units
@@ -43,6 +38,7 @@ from lamina.memory.units import ROOT_UNIT
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.runtime.nodes import Collective, Gather
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
+from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.contract import PlannedStep
@@ -284,8 +280,17 @@ def shard_module(
         everyone_axis=mesh.axes_label(mesh.axis_names),
     )
     codec = sharded_codec(options.codec, runtime.kernels)
-    cost_model = CostModel.from_topology(runtime.topology, shard_ranks) if world > 1 else None
-    choices = _choose_algorithms(layout, cost_model, group, shard_ranks, options)
+    cost_model = group_cost_model(runtime.topology, shard_ranks)
+    choices = choose_algorithms(
+        cost_model,
+        {unit.name: unit.total_numel * unit.element_size for unit in layout.units},
+        options.algorithm,
+        pg_backend=str(dist.get_backend(group)),
+        # the hierarchical forms need the shard group to be the whole job in rank order
+        # (slot r is rank r's shard)
+        whole_job=shard_ranks == tuple(range(dist.get_world_size())),
+        sharded=True,
+    )
     if codec is not None and not replicas:
         choices = {}  # ZeRO-3's fp8 reduce-scatter runs over the flat shard group
     described = cost_model.describe() if cost_model is not None and choices else ""
@@ -444,28 +449,6 @@ def _is_sharded(tensor: DTensor) -> bool:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     local: torch.Tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local
-
-
-def _choose_algorithms(
-    layout: ShardLayout,
-    model: CostModel | None,
-    group: dist.ProcessGroup | None,
-    shard_ranks: tuple[int, ...],
-    options: Zero3Options,
-) -> dict[str, AlgorithmChoice]:
-    """Each unit's gather / reduce-scatter algorithm, from the cost model of the shard
-    group's links (none with one rank). The hierarchical form needs the shard group to
-    be the whole job in rank order (slot ``r`` is rank ``r``'s shard)."""
-    if model is None:
-        return {}
-    whole_job = shard_ranks == tuple(range(dist.get_world_size()))
-    unavailable = unavailable_algorithms(model.layout, str(dist.get_backend(group)), whole_job)
-    return {
-        unit.name: choose_sharded_algorithm(
-            model, unit.total_numel * unit.element_size, options.algorithm, unavailable
-        )
-        for unit in layout.units
-    }
 
 
 def _hierarchical_units(plan: ExecutionPlan) -> frozenset[str]:
