@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from lamina.comm.buckets import ParamSpec, plan_buckets
-from lamina.comm.codecs import BUILTIN_CODECS, Codec, get_codec, self_check
+from lamina.comm.codecs import BUILTIN_CODECS, Codec, self_check
 from lamina.errors import ConfigError
 from lamina.graph import capture
 from lamina.memory import build_layout, group_units
 from lamina.runtime import Compute, ExecutionPlan, PlanNode, RunLog, explain
 from lamina.runtime.primitives import choose_primitive, disabled_from_env
+from lamina.strategies.codec_registry import resolve_codec
 from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, build_dp_plan
 from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
 
@@ -33,7 +34,7 @@ def _dp_plan(world: int = 2, codec: str | None = None, cap: int = 4096) -> Execu
     named = dict(model.named_parameters())
     specs = [ParamSpec(n, tuple(named[n].shape), named[n].dtype) for n in graph.param_names]
     buckets = plan_buckets(specs, graph.grad_ready_order(), cap_bytes=cap, first_bucket_bytes=cap)
-    chosen = get_codec(codec)
+    chosen = resolve_codec(codec)
     return build_dp_plan(
         DPPlanInputs(
             graph=graph,
@@ -273,4 +274,4 @@ def test_codec_self_check() -> None:
     assert reason == "codec broken failed its self-check: RuntimeError: no such kernel"
     assert not BUILTIN_CODECS["bf16"].applies_to(torch.bfloat16)
     with pytest.raises(ConfigError, match="codec 'zip' is unknown"):
-        get_codec("zip")
+        resolve_codec("zip")

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from lamina.comm.buckets import ParamSpec, plan_buckets
-from lamina.comm.codecs import get_codec
 from lamina.comm.cost import AlgorithmChoice
 from lamina.errors import ConfigError
 from lamina.graph import CAPTURE_METHODS, capture
@@ -38,6 +37,7 @@ from lamina.runtime import (
 )
 from lamina.runtime.primitives import choose_primitive
 from lamina.simulate import cluster_from_dict, predict
+from lamina.strategies.codec_registry import resolve_codec
 from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, build_dp_plan
 from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
 
@@ -77,7 +77,7 @@ def _dp_plan(codec: str | None = "fp8") -> ExecutionPlan:
             pg_backend="gloo",
             setup_state=[("float32", sum(p.numel() for p in model.parameters()))],
             step_buffers=[],
-            codec=get_codec(codec),
+            codec=resolve_codec(codec),
             codec_checks={"float32": ""},
             algorithms={0: choice},
             ranks_per_host=2,
@@ -89,7 +89,7 @@ def _hsdp_plan(codec: str | None = "fp8") -> ExecutionPlan:
     model = _mlp()
     layout = build_layout(model, 2, units=group_units(model, min_unit_numel=1))
     names = [u.name for u in layout.units]
-    fp8 = get_codec(codec)
+    fp8 = resolve_codec(codec)
     return build_zero3_plan(
         Zero3PlanInputs(
             layout=layout,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from lamina.comm.codecs import Codec
     from lamina.device.backend import Backend
     from lamina.device.kernels import KernelRegistry
     from lamina.device.topology import HostTopology
@@ -86,4 +87,15 @@ def lamina_register_strategies() -> list[Strategy]:
     **options)`` then validates ``options`` against its options dataclass, places it on
     the runtime's mesh and calls its ``wrap``. A plugin whose answer is not a list of
     strategies, or reuses a name, is recorded as failed and its strategies are ignored.
+    """
+
+
+@hookspec
+def lamina_register_codecs() -> list[Codec]:
+    """Return the gradient codecs this plugin provides (may be empty).
+
+    Called once, the first time a codec is looked up by name (``distribute(model,
+    strategy, codec=NAME)``). Each item must be a :class:`lamina.comm.codecs.Codec` with a
+    name no other codec has (bf16, fp16 and fp8 are built in). A plugin whose answer is not
+    a list of codecs, or reuses a name, is recorded as failed and its codecs are ignored.
     """

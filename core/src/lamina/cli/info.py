@@ -69,6 +69,7 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         }
         for name, entry in sorted(registry.backends.items())
     ]
+    from lamina.strategies.codec_registry import codecs
     from lamina.strategies.registry import strategies
 
     report: dict[str, Any] = {
@@ -78,6 +79,10 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         "strategies": [
             {"name": s.name, "summary": s.summary, "options": list(s.options.names())}
             for s in strategies(registry).values()
+        ],
+        "codecs": [
+            {"name": c.name, "wire_dtype": str(c.wire_dtype).removeprefix("torch.")}
+            for c in codecs(registry).values()
         ],
         "selected_backend": None,
         "selection_error": None,
@@ -180,6 +185,8 @@ def render_info(report: dict[str, Any], console: Console) -> None:
             f"  {s['name']}: {s['summary']}\n      options: {', '.join(s['options'])}",
             soft_wrap=True,
         )
+    listed = ", ".join(f"{c['name']} ({c['wire_dtype']})" for c in report["codecs"])
+    console.print(f"[bold]codecs[/bold] (codec=NAME): {listed}", soft_wrap=True)
 
     if report["selection_error"]:
         console.print(f"[red]no backend selected:[/red] {report['selection_error']}")

@@ -180,24 +180,12 @@ class Fp8Codec(Codec):
         return out
 
 
+#: The codecs built in, by name (lamina.strategies.codec_registry adds the plugins').
 BUILTIN_CODECS: dict[str, Codec] = {
     "bf16": CastCodec("bf16", torch.bfloat16, 2.0**-8),
     "fp16": CastCodec("fp16", torch.float16, 2.0**-11),
     "fp8": Fp8Codec(),
 }
-
-
-def get_codec(spec: str | Codec | None) -> Codec | None:
-    """The codec named ``spec`` (or ``spec`` itself); ConfigError listing names when unknown."""
-    if spec is None or isinstance(spec, Codec):
-        return spec
-    try:
-        return BUILTIN_CODECS[spec]
-    except KeyError:
-        raise ConfigError(
-            f"codec {spec!r} is unknown; use one of {sorted(BUILTIN_CODECS)}, a Codec instance "
-            "or None"
-        ) from None
 
 
 def self_check(codec: Codec, dtype: torch.dtype, device: torch.device) -> str:

@@ -3,9 +3,12 @@ declared cluster (up to 4096 devices) that is not there.
 
 :mod:`lamina.simulate.cluster` reads the cluster file (hosts, devices per host, the
 intra-host link, the NICs) and builds the :class:`~lamina.comm.cost.CostModel` of it;
-:mod:`lamina.simulate.predict` costs each collective of an execution plan on it and
-applies the ZeRO memory formulas. ``lamina plan --simulate CLUSTER.json SCRIPT`` captures
-the plan and prints the prediction.
+:mod:`lamina.simulate.groups` maps each mesh axis to a simulated group on it,
+:mod:`lamina.simulate.timing` costs each collective of an execution plan on its group,
+:mod:`lamina.simulate.memory` applies the ZeRO memory formulas,
+:mod:`lamina.simulate.report` holds the prediction with its report and assumptions, and
+:mod:`lamina.simulate.predict` wires them together. ``lamina plan --simulate
+CLUSTER.json SCRIPT`` captures the plan and prints the prediction.
 """
 
 from __future__ import annotations
@@ -17,15 +20,11 @@ from lamina.simulate.cluster import (
     cluster_from_dict,
     load_cluster,
 )
-from lamina.simulate.predict import (
-    ADAMW_BYTES_PER_PARAM,
-    CollectiveTime,
-    MemoryEstimate,
-    PhaseTime,
-    StepPrediction,
-    estimate_memory,
-    predict,
-)
+from lamina.simulate.groups import PhaseTime
+from lamina.simulate.memory import ADAMW_BYTES_PER_PARAM, MemoryEstimate, estimate_memory
+from lamina.simulate.predict import predict
+from lamina.simulate.report import StepPrediction
+from lamina.simulate.timing import CollectiveTime
 
 __all__ = [
     "ADAMW_BYTES_PER_PARAM",

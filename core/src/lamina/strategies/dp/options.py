@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lamina.comm.codecs import CODEC_SCOPES, Codec, get_codec
+from lamina.comm.codecs import CODEC_SCOPES, Codec
 from lamina.comm.cost import ALGORITHM_OPTIONS
 from lamina.errors import ConfigError
 from lamina.graph import CAPTURE_METHODS
+from lamina.strategies.codec_registry import resolve_codec
 from lamina.strategies.contract import StrategyOptions
 from lamina.strategies.dp.compiled import compile_backend_of
 
@@ -70,7 +71,7 @@ class DataParallelOptions(StrategyOptions):
             raise ConfigError(
                 f"algorithm={self.algorithm!r} is not one of {list(ALGORITHM_OPTIONS)}"
             )
-        codec = get_codec(self.codec)  # a ConfigError naming an unknown codec
+        codec = resolve_codec(self.codec)  # a ConfigError naming an unknown codec
         if self.codec_scope not in CODEC_SCOPES:
             raise ConfigError(
                 f"codec_scope={self.codec_scope!r} is not one of {list(CODEC_SCOPES)}"

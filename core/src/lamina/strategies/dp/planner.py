@@ -27,7 +27,7 @@ from lamina.comm.buckets import (
     plan_buckets,
     ring_all_reduce_cost,
 )
-from lamina.comm.codecs import Codec, get_codec, self_check
+from lamina.comm.codecs import Codec, self_check
 from lamina.comm.cost import ALGORITHMS, AlgorithmChoice, CostModel, unavailable_algorithms
 from lamina.comm.fp8 import Fp8Channel
 from lamina.comm.reducer import GradientReducer
@@ -35,6 +35,7 @@ from lamina.graph import CapturedGraph, capture
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
+from lamina.strategies.codec_registry import resolve_codec
 from lamina.strategies.contract import Placement, PlannedStep
 from lamina.strategies.dp import plan as plan_dp
 from lamina.strategies.dp.compiled import CompiledForward, compile_backend_of
@@ -78,7 +79,7 @@ class DataParallelState:
         self._cap_bytes = None if cap is None else int(cap * MIB)
         first = options.first_bucket_mb
         self._first_bytes = None if first is None else int(first * MIB)
-        codec = get_codec(options.codec)
+        codec = resolve_codec(options.codec)
         self.codec = codec.on_backend(runtime.kernels) if codec is not None else None
         self.compile_backend = compile_backend_of(options.compile)
         self.source = self.ranks[0]

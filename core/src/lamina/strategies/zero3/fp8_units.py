@@ -15,10 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lamina.comm.codecs import Codec, Fp8Codec, get_codec
+from lamina.comm.codecs import Codec, Fp8Codec
 from lamina.comm.fp8 import Fp8Scatter, Fp8Sum, quantized_bytes
 from lamina.device.kernels import KernelLauncher
 from lamina.errors import ConfigError
+from lamina.strategies.codec_registry import resolve_codec
 
 
 def sharded_codec(
@@ -26,7 +27,7 @@ def sharded_codec(
 ) -> Fp8Codec | None:
     """The sharded strategies' codec from ``codec=`` (on ``launcher``'s kernels): None,
     or fp8 (ConfigError else)."""
-    codec = get_codec(spec)
+    codec = resolve_codec(spec)
     if codec is None:
         return None
     if not isinstance(codec, Fp8Codec):
