@@ -123,8 +123,8 @@ class BackendSession:
 BACKENDS: dict[str, BackendSession] = {
     "cpu": BackendSession(
         torch=["torch==2.13.0"],
-        packages=["plugins/template_backend"],
-        test_paths=["plugins/template_backend/tests"],
+        packages=["plugins/template_backend", "plugins/int8_codec"],
+        test_paths=["plugins/template_backend/tests", "plugins/int8_codec/tests"],
         core_tests=None,
         # transformers and peft: the fine-tuning tests train a Hugging Face Llama with LoRA
         extras="test,examples",
@@ -185,6 +185,7 @@ TYPED_PACKAGES = [
     "backends/npu",
     "backends/xla",
     "plugins/template_backend",
+    "plugins/int8_codec",
 ]
 
 

@@ -1,11 +1,12 @@
-"""Validation-loss curves of the GPT example with fp8 gradients, against fp32.
+"""Validation-loss curves of the GPT example with compressed gradients, against fp32.
 
-Trains ``examples/train_gpt.py`` (2 ranks, ``lamina run``) ``--steps`` steps three times
-from the same seed, one variant after the other:
+Trains ``examples/train_gpt.py`` (2 ranks, ``lamina run``) ``--steps`` steps once per
+variant from the same seed, one after the other (``--variants``, default the first three):
 
 - ``fp32``: the plain DP all-reduce;
 - ``fp8-no-feedback``: ``codec=Fp8Codec(error_feedback=False)``;
-- ``fp8``: ``codec="fp8"`` (error feedback on).
+- ``fp8``: ``codec="fp8"`` (error feedback on);
+- ``int8``: the int8 codec plugin (``plugins/int8_codec``, installed), error feedback on.
 
 Each run writes its evaluations (every ``--eval-every`` steps) as JSON lines; this script
 reports the final validation losses and their gaps to fp32, writes
@@ -29,7 +30,8 @@ from typing import Any
 from _results import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"fp32": "none", "fp8-no-feedback": "fp8-no-feedback", "fp8": "fp8"}
+VARIANTS = {"fp32": "none", "fp8-no-feedback": "fp8-no-feedback", "fp8": "fp8", "int8": "int8"}
+DEFAULT_VARIANTS = "fp32,fp8-no-feedback,fp8"
 PICTURE = ROOT / "docs" / "images" / "fp8_loss_curves.png"
 
 
@@ -76,6 +78,7 @@ def draw(curves: dict[str, list[dict[str, float]]], path: Path) -> None:
         "fp32": ("black", "-"),
         "fp8-no-feedback": ("tab:orange", "--"),
         "fp8": ("tab:blue", ":"),
+        "int8": ("tab:green", "-."),
     }
     for name, curve in curves.items():
         color, line = styles[name]
@@ -83,7 +86,7 @@ def draw(curves: dict[str, list[dict[str, float]]], path: Path) -> None:
         axes.plot(steps, [r["val_loss"] for r in curve], line, color=color, label=name, lw=1.6)
     axes.set_xlabel("step")
     axes.set_ylabel("validation loss")
-    axes.set_title("GPT example, 2 ranks: fp8 gradients (two-phase sum) against fp32")
+    axes.set_title("GPT example, 2 ranks: compressed gradients (two-phase sums) against fp32")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -98,13 +101,22 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks (2)")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evals (10)")
     parser.add_argument("--eval-batches", type=int, default=8, help="val batches per rank (8)")
+    parser.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated, fp32 first, among {', '.join(VARIANTS)} ({DEFAULT_VARIANTS})",
+    )
     parser.add_argument("--output", default="fp8_loss_curves.json")
     parser.add_argument("--picture", default=str(PICTURE))
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    if chosen[0] != "fp32" or not set(chosen) <= set(VARIANTS):
+        parser.error(f"--variants {args.variants!r}: fp32 first, then any of {list(VARIANTS)}")
     curves: dict[str, list[dict[str, float]]] = {}
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, codec in VARIANTS.items():
+        for name in chosen:
+            codec = VARIANTS[name]
             print(f"== {name} ({args.steps} steps)", flush=True)
             metrics = Path(tmp) / f"{name}.jsonl"
             seconds[name] = train(codec, args, metrics)

@@ -40,6 +40,7 @@ from lamina.checkpoint import CheckpointManager, seed_all
 from lamina.comm.codecs import Fp8Codec
 from lamina.data import EpochSampler
 from lamina.errors import ConfigError
+from lamina.strategies.codec_registry import codecs
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -88,10 +89,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument(
         "--codec",
-        choices=CODECS,
         default="none",
-        help="dp: gradients on the wire in bf16/fp16, or fp8 summed in two phases with "
-        "(fp8) or without (fp8-no-feedback) error feedback",
+        help="dp: gradients on the wire in bf16/fp16, fp8 summed in two phases with (fp8) "
+        "or without (fp8-no-feedback) error feedback, or a plugin's codec (lamina info "
+        "lists them, e.g. int8)",
     )
     p.add_argument(
         "--codec-scope",
@@ -111,11 +112,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --keep must be >= 1")
     if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
+    known = [*OWN_CODECS, *codecs()]
+    if args.codec not in known:
+        p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")
     return args
 
 
-#: What --codec accepts.
-CODECS = ("none", "bf16", "fp16", "fp8", "fp8-no-feedback")
+#: What --codec accepts besides the codecs lamina knows by name (built-ins and plugins').
+OWN_CODECS = ("none", "fp8-no-feedback")
 
 
 def codec_options(args: argparse.Namespace) -> dict[str, object]:

@@ -182,7 +182,7 @@ def test_compile_option_must_be_a_bool_or_a_backend_name(option: Any) -> None:
     assert compile_backend_of(True) == "inductor" and compile_backend_of("eager") == "eager"
 
 
-# -- strategies/zero3/wrapper.py (ZeRO-3, and torch's state-dict APIs on its DTensors) ---------
+# -- strategies/zero3/sharding.py, module.py (ZeRO-3, and torch's state-dict APIs on its DTensors)
 def _zero3() -> Any:
     lamina.init()
     return lamina.distribute(_net(), "zero3", min_unit_numel=1)

@@ -16,13 +16,13 @@ from lamina.comm.fp8 import (
     E4M3_MAX,
     Fp8Settings,
     Fp8Sum,
-    QuantizationCounts,
     all_reduce_fp8,
     dequantize,
     padded_numel,
     quantize,
     wire_bytes,
 )
+from lamina.comm.two_phase import QuantizationCounts
 from lamina.errors import ConfigError
 from lamina.testing import WireCounter, run_ranks
 

@@ -1,9 +1,11 @@
 """Optional gradient codecs: fewer bytes on the wire for a bucket's all-reduce.
 
 A cast codec (``bf16``, ``fp16``) turns a (pre-averaged) fp32 bucket into a narrower
-wire tensor that is all-reduced in place and decoded back into the bucket. The ``fp8``
-codec (:class:`Fp8Codec`) cannot be summed by the collective itself: it reduces in two
-phases (:mod:`lamina.comm.fp8`), with error feedback. A codec is optional, so it can fail
+wire tensor that is all-reduced in place and decoded back into the bucket. A
+:class:`TwoPhaseCodec` (``fp8``: :class:`Fp8Codec`; plugins add others) cannot be summed
+by the collective itself: it owns its sum (:mod:`lamina.comm.two_phase`), run in two
+phases of its own collectives, with error feedback, and says what it hands to
+``torch.distributed`` and keeps on each rank. A codec is optional, so it can fail
 without stopping training: a codec that fails its self-check while planning is replaced
 by the uncompressed all-reduce for the whole run, and a reduction that decodes to
 non-finite values (fp16 overflow) is redone uncompressed for that bucket and step. The
@@ -28,14 +30,16 @@ from lamina.comm.fp8 import (
     dequantize,
     padded_numel,
     quantize,
+    quantized_bytes,
 )
+from lamina.comm.two_phase import TwoPhaseScatter, TwoPhaseSum
 from lamina.device.kernels import KernelLauncher
 from lamina.errors import ConfigError, failure_reason
 
 #: Where a two-phase codec compresses: every phase, or the inter-host phase only.
 CODEC_SCOPES = ("all", "inter")
 #: The exact reductions a two-phase codec's bucket falls back to.
-FP8_FALLBACKS = ("fp32", "bf16")
+TWO_PHASE_FALLBACKS = ("fp32", "bf16")
 
 
 class WrongWireSize(ValueError):
@@ -71,6 +75,13 @@ class Codec(abc.ABC):
         """This codec, running its kernels (if any) on ``launcher`` unless it names its own."""
         return self
 
+    def round_trip_error(self, probe: torch.Tensor, decoded: torch.Tensor) -> float:
+        """The self-check's error of ``decoded`` against ``probe``, compared with
+        ``tolerance``: the largest error relative to each value (a float format's
+        precision). A codec with another error model (block scales of fixed-point values)
+        measures it its own way."""
+        return float(((decoded - probe).abs() / probe.abs().clamp(min=1e-3)).max())
+
     def round_trip(self, bucket: torch.Tensor) -> torch.Tensor:
         """``bucket`` encoded and decoded again (the self-check's probe)."""
         wire = self.encode(bucket)
@@ -99,7 +110,52 @@ class CastCodec(Codec):
         out.copy_(wire)
 
 
-class Fp8Codec(Codec):
+class TwoPhaseCodec(Codec):
+    """A codec that sums in two phases of its own collectives (the collective cannot sum
+    its wire form). ``fallback`` is the exact reduction (``"fp32"`` or ``"bf16"``) a bucket
+    takes the step a rank flags it; ``error_feedback`` whether it keeps residuals."""
+
+    two_phase = True
+    fallback: str = "fp32"
+    error_feedback: bool = True
+
+    @abc.abstractmethod
+    def new_sum(self, exact: tuple[int, int] | None = None) -> TwoPhaseSum:
+        """The per-bucket state of one bucket's two-phase sums. Elements ``exact`` (start,
+        stop) of the buffer are counts that must arrive exactly (ZeRO-3's used-flags): a
+        codec whose blocks would lose them beside small values sends them apart."""
+
+    @abc.abstractmethod
+    def wire(self, numel: int, world_size: int, exact_numel: int = 0) -> dict[str, int]:
+        """Bytes per dtype one sum of ``numel`` elements over ``world_size`` ranks hands to
+        ``torch.distributed`` (over both phases; a gather counted as its output), with
+        ``exact_numel`` of them given as ``exact``."""
+
+    @abc.abstractmethod
+    def nbytes(self, numel: int, world_size: int) -> int:
+        """Bytes of the buffer as it travels (what a ring would carry instead of the
+        bucket's own bytes): the payload with its scales, padded as the sum pads it."""
+
+    @abc.abstractmethod
+    def residual_bytes(self, numel: int, world_size: int) -> int:
+        """Bytes the error feedback of one sum of ``numel`` elements keeps on each rank."""
+
+    @abc.abstractmethod
+    def new_scatter(self, exact: tuple[int, int] | None = None) -> TwoPhaseScatter:
+        """The per-unit state of one unit's reduce-scatters (ZeRO-3's gradient); ``exact``
+        as for :meth:`new_sum`, in each slot."""
+
+    @abc.abstractmethod
+    def scatter_wire(self, numel: int, world_size: int, exact_numel: int = 0) -> dict[str, int]:
+        """Bytes per dtype one reduce-scatter of ``numel`` elements (``world_size`` slots,
+        ``exact_numel`` of each given as ``exact``) hands to ``torch.distributed``."""
+
+    @abc.abstractmethod
+    def scatter_residual_bytes(self, numel: int, world_size: int) -> int:
+        """Bytes the error feedback of one reduce-scatter of ``numel`` elements keeps."""
+
+
+class Fp8Codec(TwoPhaseCodec):
     """e4m3 with one power-of-two scale per ``block`` elements, summed in two phases
     (:class:`~lamina.comm.fp8.Fp8Sum`): 0.252x fp32's bytes. ``error_feedback`` carries
     each rank's quantization residual into the next step; a bucket a rank flags (input
@@ -110,7 +166,6 @@ class Fp8Codec(Codec):
     name = "fp8"
     wire_dtype = torch.float8_e4m3fn
     tolerance = 2.0**-4  # 3 mantissa bits: half a step of 2**-3
-    two_phase = True
 
     def __init__(
         self,
@@ -128,10 +183,13 @@ class Fp8Codec(Codec):
             raise ConfigError(
                 f"fp8 error_bound={error_bound} and overflow_at={overflow_at} must be > 0"
             )
-        if fallback not in FP8_FALLBACKS:
-            raise ConfigError(f"fp8 fallback={fallback!r} is not one of {list(FP8_FALLBACKS)}")
+        if fallback not in TWO_PHASE_FALLBACKS:
+            raise ConfigError(
+                f"fp8 fallback={fallback!r} is not one of {list(TWO_PHASE_FALLBACKS)}"
+            )
         self.settings = Fp8Settings(block, error_feedback, error_bound, overflow_at, launcher)
         self.fallback = fallback
+        self.error_feedback = error_feedback
 
     def on_backend(self, launcher: KernelLauncher) -> Fp8Codec:
         """This codec quantizing with ``launcher``'s kernels, unless it was given a launcher."""
@@ -143,13 +201,40 @@ class Fp8Codec(Codec):
         codec.settings = dataclasses.replace(self.settings, launcher=launcher)
         return codec
 
-    def new_sum(self) -> Fp8Sum:
-        """The per-bucket state of one bucket's two-phase sums."""
+    def new_sum(self, exact: tuple[int, int] | None = None) -> Fp8Sum:
+        """The per-bucket state of one bucket's two-phase sums (counts travel in the
+        payload: e4m3 with a power-of-two block scale keeps 0/1 flags and their means
+        exact beside small values, so ``exact`` needs nothing apart)."""
         return Fp8Sum(self.settings)
 
-    def new_scatter(self) -> Fp8Scatter:
-        """The per-unit state of one unit's fp8 reduce-scatters (ZeRO-3)."""
+    def wire(self, numel: int, world_size: int, exact_numel: int = 0) -> dict[str, int]:
+        """The e4m3 payload (``uint8``) and one ``int8`` exponent per block, twice."""
+        return Fp8Sum.wire(numel, world_size, self.settings.block)
+
+    def nbytes(self, numel: int, world_size: int) -> int:
+        """Payload and exponents of the padded buffer: 0.252x fp32's with 128-blocks."""
+        return quantized_bytes(numel, world_size, self.settings.block)
+
+    def residual_bytes(self, numel: int, world_size: int) -> int:
+        """The contribution's and the owned chunk's fp32 residuals (0 without feedback)."""
+        if not self.settings.error_feedback:
+            return 0
+        return Fp8Sum.residual_bytes(numel, world_size, self.settings.block)
+
+    def new_scatter(self, exact: tuple[int, int] | None = None) -> Fp8Scatter:
+        """The per-unit state of one unit's fp8 reduce-scatters (ZeRO-3; ``exact`` as for
+        :meth:`new_sum`)."""
         return Fp8Scatter(self.settings)
+
+    def scatter_wire(self, numel: int, world_size: int, exact_numel: int = 0) -> dict[str, int]:
+        """The payload of ``world_size`` slots padded to whole blocks and its exponents."""
+        return Fp8Scatter.wire(numel, world_size, self.settings.block)
+
+    def scatter_residual_bytes(self, numel: int, world_size: int) -> int:
+        """The fp32 residual of the padded slots (0 without feedback)."""
+        if not self.settings.error_feedback:
+            return 0
+        return Fp8Scatter.residual_bytes(numel, world_size, self.settings.block)
 
     def encode(self, bucket: torch.Tensor) -> torch.Tensor:
         """``bucket`` as one ``uint8`` wire tensor: the e4m3 payload (padded to whole
@@ -197,7 +282,7 @@ def self_check(codec: Codec, dtype: torch.dtype, device: torch.device) -> str:
         return f"codec {codec.name} encoded a {probe.numel()}-element bucket wrongly"
     except Exception as exc:
         return f"codec {codec.name} failed its self-check: {failure_reason(exc)}"
-    error = float(((out - probe).abs() / probe.abs().clamp(min=1e-3)).max())
+    error = codec.round_trip_error(probe, out)
     if not error <= codec.tolerance:
         return (
             f"codec {codec.name} round-trip error {error:.2e} exceeds its tolerance "

@@ -32,29 +32,27 @@ the same step and takes the same fallback.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lamina.comm.two_phase import QuantizationCounts, SumStats, all_gather_slots
 from lamina.device.fp8_kernels import E4M3_MAX, MAX_EXPONENT, MIN_EXPONENT
 from lamina.device.kernels import KernelLauncher, builtin_registry
 from lamina.errors import ConfigError
-from lamina.works import AllWorks, SerialWorker
+from lamina.works import AllWorks
 
 __all__ = [
     "BLOCK",
     "E4M3_MAX",
     "MAX_EXPONENT",
     "MIN_EXPONENT",
-    "Fp8Channel",
     "Fp8Scatter",
     "Fp8Settings",
-    "Fp8Stats",
     "Fp8Sum",
-    "QuantizationCounts",
     "Quantized",
     "all_reduce_fp8",
     "dequantize",
@@ -87,20 +85,6 @@ class Quantized:
     def nbytes(self) -> int:
         """Bytes of the payload and the exponents."""
         return self.payload.numel() + self.exponents.numel()
-
-
-@dataclass
-class QuantizationCounts:
-    """What quantizing lost: non-finite inputs (``overflow``: they cannot be encoded and
-    decode as NaN) and nonzero inputs that became zero (``underflow``)."""
-
-    overflow: int = 0
-    underflow: int = 0
-
-    def add(self, other: QuantizationCounts) -> None:
-        """Add ``other``'s counts to these."""
-        self.overflow += other.overflow
-        self.underflow += other.underflow
 
 
 def _check_block(numel: int, block: int) -> None:
@@ -178,28 +162,6 @@ class Fp8Settings:
     error_bound: float = 0.1
     overflow_at: float = float("inf")
     launcher: KernelLauncher | None = None
-
-
-@dataclass
-class Fp8Stats:
-    """What one rank saw in one two-phase sum: quantization counts over both phases, the
-    relative L2 error of quantizing its contribution (``error_in``) and its summed chunk
-    (``error_out``), and why it flagged the bucket for the fallback ('' if it did not)."""
-
-    counts: QuantizationCounts = field(default_factory=QuantizationCounts)
-    error_in: float = 0.0
-    error_out: float = 0.0
-    flagged: str = ""
-
-    def as_dict(self) -> dict[str, float | int | str]:
-        """For the trace."""
-        return {
-            "overflow": self.counts.overflow,
-            "underflow": self.counts.underflow,
-            "error_in": self.error_in,
-            "error_out": self.error_out,
-            "flagged": self.flagged,
-        }
 
 
 @dataclass
@@ -310,8 +272,8 @@ class Fp8Sum:
         # all-gather phase: every rank's summed chunk, quantized once by its owner
         reduced = self.quantize_side(summed, owned)
         self.last = (mine, reduced)
-        _all_gather(payload, reduced.q.payload, rank, world, group)
-        _all_gather(exponents, reduced.q.exponents, rank, world, group)
+        all_gather_slots(payload, reduced.q.payload, rank, world, group)
+        all_gather_slots(exponents, reduced.q.exponents, rank, world, group)
         return dequantize(Quantized(payload, exponents, self.block), launcher=self.launcher)
 
     def _residuals(self, source: torch.Tensor, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,12 +290,12 @@ class Fp8Sum:
             self._residual = torch.zeros_like(like)
         return self._residual
 
-    def stats(self) -> Fp8Stats:
+    def stats(self) -> SumStats:
         """What the last :meth:`run` saw on this rank (waits for the device)."""
         if self.last is None:
-            return Fp8Stats()
+            return SumStats()
         sides = [s for s in self.last if s is not None]
-        stats = Fp8Stats(QuantizationCounts(), float(sides[0].error), float(sides[-1].error))
+        stats = SumStats(QuantizationCounts(), float(sides[0].error), float(sides[-1].error))
         for side in sides:
             stats.counts.add(side.counts())
         for side, label in zip(sides, ("its input", "its summed chunk"), strict=False):
@@ -379,29 +341,6 @@ def all_reduce_fp8(
         counts.add(fp8.stats().counts)
     tensor.copy_(result[: tensor.numel()].view_as(tensor).to(tensor.dtype))
     return tensor
-
-
-def _all_gather(
-    out: torch.Tensor, part: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None
-) -> None:
-    """``out`` <- every rank's ``part`` in rank order (one broadcast per rank on gloo,
-    whose all_gather is the slower form; the native op elsewhere)."""
-    if dist.get_backend(group) != "gloo":
-        dist.all_gather_into_tensor(out, part, group=group)
-        return
-    slots = out.view(world, part.numel())
-    slots[rank].copy_(part)
-    works = [
-        dist.broadcast(
-            slot,
-            src=k if group is None else dist.get_global_rank(group, k),
-            group=group,
-            async_op=True,
-        )
-        for k, slot in enumerate(slots)
-    ]
-    for work in works:
-        work.wait()  # type: ignore[union-attr]
 
 
 class Fp8Scatter:
@@ -470,35 +409,10 @@ class Fp8Scatter:
 
         return works, summed
 
-    def stats(self) -> Fp8Stats:
+    def stats(self) -> SumStats:
         """What the last :meth:`start` saw on this rank."""
         return self._sum.stats()
 
     def commit(self, ok: bool) -> None:
         """Keep (``ok``) or drop the last call's residual."""
         self._sum.commit(ok)
-
-
-class Fp8Channel:
-    """Where a group's two-phase sums run: a process group of their own over ``ranks``
-    (the sums are several collectives each, issued apart from the bucket all-reduces)
-    and, on gloo, one thread that issues them in submission order on every rank."""
-
-    def __init__(self, ranks: Sequence[int], pg_backend: str) -> None:
-        whole_job = len(ranks) == dist.get_world_size()
-        self.group = dist.new_group(list(ranks), use_local_synchronization=not whole_job)
-        self.worker = SerialWorker("lamina-fp8") if pg_backend == "gloo" else None
-
-    def submit(self, run: Callable[[], None]) -> Any:
-        """Run ``run`` (on the worker thread on gloo, else now, in stream order); returns a
-        work to wait on."""
-        if self.worker is not None:
-            return self.worker.submit(run)
-        run()
-        return AllWorks([])
-
-    def close(self) -> None:
-        """Stop the worker thread."""
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None

@@ -15,9 +15,11 @@ bucket its all-reduce algorithm (:mod:`lamina.comm.algorithms`; ``flat`` is the 
 own all-reduce) and may give a bucket a :class:`~lamina.comm.codecs.Codec`; an
 ``observer`` (the run log) hears every collective issued and every codec fallback taken.
 
-A two-phase codec (``fp8``) sums its bucket with :class:`~lamina.comm.fp8.Fp8Sum`: over
-the whole group on the :class:`~lamina.comm.fp8.Fp8Channel` (scope ``all``), or inside
-the hierarchical algorithm's inter-host phase only (scope ``inter``). The result is
+A two-phase codec (:class:`~lamina.comm.codecs.TwoPhaseCodec`: ``fp8``, or a plugin's)
+sums its bucket with its own :class:`~lamina.comm.two_phase.TwoPhaseSum`: over the whole
+group on the :class:`~lamina.comm.two_phase.TwoPhaseChannel` (scope ``all``), or inside
+the hierarchical algorithm's inter-host phase only (scope ``inter``); the reducer has no
+codec-specific branch. The result is
 used when it decodes finite; otherwise (a rank flagged the bucket, the same bits on
 every rank) the bucket is reduced exactly that step, with no extra collective to agree.
 """
@@ -36,8 +38,8 @@ from torch import nn
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
-from lamina.comm.codecs import Codec, Fp8Codec
-from lamina.comm.fp8 import Fp8Channel, Fp8Stats, Fp8Sum, quantized_bytes
+from lamina.comm.codecs import Codec, TwoPhaseCodec
+from lamina.comm.two_phase import TwoPhaseChannel, TwoPhaseSum, merged_stats
 from lamina.device.handle import DeviceHandle, Stream
 from lamina.dtypes import dtype_name
 from lamina.errors import NotSupportedError
@@ -62,7 +64,7 @@ class _BucketState:
     wire: torch.Tensor | None = None
     #: two-phase codec: the sums (one per pipeline chunk), its scope, the pending
     #: result and the trace handle its statistics go to
-    fp8: list[Fp8Sum] = field(default_factory=list)
+    sums: list[TwoPhaseSum] = field(default_factory=list)
     scope: str = "all"
     result: torch.Tensor | None = None
     trace: Any = None
@@ -130,7 +132,7 @@ class GradientReducer:
         algorithms: dict[int, tuple[str, int]] | None = None,
         algorithm_groups: AlgorithmGroups | None = None,
         codec_scope: str = "all",
-        fp8_channel: Fp8Channel | None = None,
+        channel: TwoPhaseChannel | None = None,
     ) -> None:
         self.plan = plan
         self.group = group
@@ -147,10 +149,10 @@ class GradientReducer:
             state.algorithm, state.chunks = (algorithms or {}).get(index, ("flat", 1))
             if state.algorithm != "flat" and algorithm_groups is None:
                 raise ValueError(f"bucket {index} runs {state.algorithm!r}: pass algorithm_groups")
-            if isinstance(state.codec, Fp8Codec):
-                self._plan_fp8(state, codec_scope, fp8_channel)
+            if isinstance(state.codec, TwoPhaseCodec):
+                self._plan_two_phase(state, state.codec, codec_scope, channel)
         self._algorithms = algorithm_groups
-        self._fp8_channel = fp8_channel
+        self._channel = channel
         self._where: dict[nn.Parameter, tuple[_BucketState, int]] = {}
         for state in self._buckets:
             for k, param in enumerate(state.params):
@@ -166,9 +168,9 @@ class GradientReducer:
         ]
 
     @staticmethod
-    def _plan_fp8(state: _BucketState, scope: str, channel: Fp8Channel | None) -> None:
-        codec = state.codec
-        assert isinstance(codec, Fp8Codec)
+    def _plan_two_phase(
+        state: _BucketState, codec: TwoPhaseCodec, scope: str, channel: TwoPhaseChannel | None
+    ) -> None:
         state.scope = scope
         if scope == "inter":
             if state.algorithm not in ("hierarchical", "pipelined"):
@@ -176,11 +178,11 @@ class GradientReducer:
                     f"bucket {state.plan.index}: codec_scope='inter' needs an "
                     f"inter-host phase, its algorithm is {state.algorithm!r}"
                 )
-            state.fp8 = [codec.new_sum() for _ in range(max(1, state.chunks))]
+            state.sums = [codec.new_sum() for _ in range(max(1, state.chunks))]
             return
         if channel is None:
-            raise ValueError(f"bucket {state.plan.index} is summed in fp8: pass fp8_channel")
-        state.algorithm, state.fp8 = "flat", [codec.new_sum()]
+            raise ValueError(f"bucket {state.plan.index} is summed in two phases: pass channel")
+        state.algorithm, state.sums = "flat", [codec.new_sum()]
 
     @staticmethod
     def _allocate(bucket: Bucket, named_params: dict[str, nn.Parameter]) -> _BucketState:
@@ -246,8 +248,8 @@ class GradientReducer:
             for k, view in enumerate(state.views):
                 if k not in state.divided:
                     view.div_(self.world_size)
-        if state.fp8:
-            self._issue_fp8(state)
+        if state.sums:
+            self._issue_two_phase(state)
             return
         payload = state.buffer
         if state.codec is not None:
@@ -261,9 +263,10 @@ class GradientReducer:
             if handle is not None:
                 handle.work = state.work
 
-    def _issue_fp8(self, state: _BucketState) -> None:
+    def _issue_two_phase(self, state: _BucketState) -> None:
         """Start the bucket's two-phase sum (see the module docstring)."""
-        buffer, sums = state.buffer, state.fp8
+        buffer, sums, codec = state.buffer, state.sums, state.codec
+        assert isinstance(codec, TwoPhaseCodec)
         if state.scope == "inter":
             assert self._algorithms is not None
             result = state.result = buffer.clone()  # the bucket stays for a fallback
@@ -280,17 +283,16 @@ class GradientReducer:
                 if handle is not None:
                     handle.work = state.work
             return
-        assert self._fp8_channel is not None
-        group = self._fp8_channel.group
+        assert self._channel is not None
+        group = self._channel.group
 
         def run() -> None:
             state.result = sums[0].run(buffer, group)
 
-        block = sums[0].block
-        nbytes = quantized_bytes(buffer.numel(), self.world_size, block)
-        wire = Fp8Sum.wire(buffer.numel(), self.world_size, block)
+        nbytes = codec.nbytes(buffer.numel(), self.world_size)
+        wire = codec.wire(buffer.numel(), self.world_size)
         with self._traced(state.node, nbytes, wire) as handle:
-            state.work = self._fp8_channel.submit(run)
+            state.work = self._channel.submit(run)
             state.trace = handle.event if handle is not None else None
             if handle is not None:
                 handle.work = state.work
@@ -326,33 +328,33 @@ class GradientReducer:
 
     def _inter_wire(self, state: _BucketState) -> dict[str, int]:
         """Bytes per dtype of the hierarchical all-reduce whose inter-host phase is the
-        fp8 two-phase sum: the intra-host phases in the bucket's dtype, and per chunk the
-        fp8 sum of its ``piece / L`` shard over the hosts."""
-        assert self._algorithms is not None
+        codec's two-phase sum: the intra-host phases in the bucket's dtype, and per chunk
+        the codec's sum of its ``piece / L`` shard over the hosts."""
+        assert self._algorithms is not None and isinstance(state.codec, TwoPhaseCodec)
         numel, size = state.buffer.numel(), state.buffer.element_size()
         piece, stages, local = self._pieces(state, numel)
         hosts = self._algorithms.layout.host_count
         wire = {_dtype(state.buffer): stages * 2 * piece * size}
-        for dtype, nbytes in Fp8Sum.wire(piece // local, hosts, state.fp8[0].block).items():
+        for dtype, nbytes in state.codec.wire(piece // local, hosts).items():
             wire[dtype] = stages * nbytes
         return wire
 
-    def _complete_fp8(self, state: _BucketState) -> None:
+    def _complete_two_phase(self, state: _BucketState) -> None:
         """Use the two-phase sum when it decoded finite, else reduce the bucket exactly
         (every rank decoded the same bits, so every rank decides the same way)."""
         result, state.result = state.result, None
-        assert result is not None and isinstance(state.codec, Fp8Codec)
+        assert result is not None and isinstance(state.codec, TwoPhaseCodec)
         if self._handle is not None and self.comm_stream is not None:
             # the sum was written on the communication stream: read it after it
             self._handle.current_stream().wait_stream(self.comm_stream)
         ok = bool(torch.isfinite(result).all())
-        for fp8 in state.fp8:
-            fp8.commit(ok)
+        for one in state.sums:
+            one.commit(ok)
         event, state.trace = state.trace, None
         if ok and event is None:  # statistics wait for the device: only when wanted
             state.buffer.copy_(result[: state.buffer.numel()])
             return
-        stats = _merged([fp8.stats() for fp8 in state.fp8])
+        stats = merged_stats([one.stats() for one in state.sums])
         if event is not None:
             event.codec = {**stats.as_dict(), "scope": state.scope, "used": ok}
         if ok:
@@ -362,7 +364,8 @@ class GradientReducer:
         fallback = state.codec.fallback
         if self.observer is not None:
             why = stats.flagged or "another rank flagged it (or the sum is not finite)"
-            self.observer.fallback(state.node, fallback, f"fp8 sum not used: {why}")
+            what = f"{state.codec.name} sum not used"
+            self.observer.fallback(state.node, fallback, f"{what}: {why}")
         payload = state.buffer if fallback == "fp32" else state.buffer.to(torch.bfloat16)
         with self._traced(state.node, _nbytes(payload), _one_call(payload)):  # this rank's share
             dist.all_reduce(payload, group=self.group)
@@ -373,8 +376,8 @@ class GradientReducer:
         """Wait for the bucket; decode a compressed one (resent uncompressed on overflow)."""
         state.work.wait()
         state.work = None
-        if state.fp8 and self.world_size > 1:
-            self._complete_fp8(state)
+        if state.sums and self.world_size > 1:
+            self._complete_two_phase(state)
             return
         wire, state.wire = state.wire, None
         if wire is None or state.codec is None:
@@ -468,7 +471,7 @@ class GradientReducer:
 
     def residual_bytes(self) -> int:
         """Bytes the two-phase codecs' error feedback holds now, on this rank."""
-        return sum(fp8.residual_nbytes() for state in self._buckets for fp8 in state.fp8)
+        return sum(one.residual_nbytes() for state in self._buckets for one in state.sums)
 
     def remove(self) -> None:
         """Detach the hooks (and stop the worker threads)."""
@@ -477,8 +480,8 @@ class GradientReducer:
         self._handles.clear()
         if self._algorithms is not None:
             self._algorithms.close()
-        if self._fp8_channel is not None:
-            self._fp8_channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
 
 def _comm_stream(handle: DeviceHandle | None) -> Stream | None:
@@ -502,17 +505,6 @@ def _dtype(tensor: torch.Tensor) -> str:
 def _one_call(tensor: torch.Tensor) -> dict[str, int]:
     """What one collective call of ``tensor`` hands to ``torch.distributed``."""
     return {_dtype(tensor): _nbytes(tensor)}
-
-
-def _merged(stats: list[Fp8Stats]) -> Fp8Stats:
-    """One bucket's statistics over its sums (the chunks of a pipelined bucket)."""
-    out = Fp8Stats()
-    for one in stats:
-        out.counts.add(one.counts)
-        out.error_in = max(out.error_in, one.error_in)
-        out.error_out = max(out.error_out, one.error_out)
-        out.flagged = out.flagged or one.flagged
-    return out
 
 
 class _Done:

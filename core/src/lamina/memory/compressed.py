@@ -1,13 +1,13 @@
 """A unit's compressed gradient reduction, as the ZeRO-3 engine runs it.
 
-The strategy gives a unit a :class:`GradientCodec` (built from :mod:`lamina.comm.fp8`,
-which this layer does not import) for one of its gradient collectives: the
-reduce-scatter over the shard group (``role="scatter"``, ZeRO-3) or the all-reduce of
-the shard gradient across the replicas (``role="replicate"``, HSDP: the collective that
-crosses the slow links). A codec's result is used when it is finite; otherwise (a rank
-flagged the gradient: every rank of the group sees a non-finite result in the same
-step) the collective is redone exactly, as ``codec.fallback`` says, and the codec drops
-that step's residuals.
+The strategy gives a unit a :class:`GradientCodec` (built from a two-phase codec of
+:mod:`lamina.comm.codecs`, which this layer does not import) for one of its gradient
+collectives: the reduce-scatter over the shard group (``role="scatter"``, ZeRO-3) or the
+all-reduce of the shard gradient across the replicas (``role="replicate"``, HSDP: the
+collective that crosses the slow links). A codec's result is used when it is finite;
+otherwise (a rank flagged the gradient: every rank of the group sees a non-finite result
+in the same step) the collective is redone exactly, as ``codec.fallback`` says, and the
+codec drops that step's residuals.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ CODEC_ROLES = ("scatter", "replicate")
 class GradientCodec(Protocol):
     """One unit's compressed gradient reduction, with its error-feedback state."""
 
+    #: The codec's name (for the run log).
+    name: str
     #: What a flagged step falls back to: "fp32" or "bf16".
     fallback: str
 

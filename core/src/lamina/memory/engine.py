@@ -368,7 +368,8 @@ class UnitState:
         if not ok and self.observer is not None:
             why = stats.get("flagged") or "another rank flagged it (or the sum is not finite)"
             node = self.nodes.get(role, f"{self.layout.name}.{role}")
-            self.observer.fallback(node, self.codec.fallback, f"fp8 sum not used: {why}")
+            what = f"{self.codec.name} sum not used"
+            self.observer.fallback(node, self.codec.fallback, f"{what}: {why}")
         return ok
 
     def _set_grads(self, shard_grad: torch.Tensor) -> None:

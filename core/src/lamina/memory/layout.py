@@ -197,6 +197,12 @@ class UnitLayout:
         return self.world_size * self.flag_offset
 
     @property
+    def flag_region(self) -> tuple[int, int]:
+        """Where the used-flags sit in each slot (and shard gradient): ``(start, stop)``.
+        They are counts a codec must deliver exactly, apart from its blocks."""
+        return self.flag_offset, self.flag_offset + len(self.params)
+
+    @property
     def flag_offset(self) -> int:
         """Where the used-flags start in a shard buffer (after the last chunk)."""
         return sum(p.chunk for p in self.params)

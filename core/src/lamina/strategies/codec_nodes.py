@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lamina.comm.codecs import Fp8Codec
+from lamina.comm.codecs import TwoPhaseCodec
 from lamina.runtime.plan import Fallback, PlanNode
 
 
-def fp8_fallback(node_id: str, codec: Fp8Codec) -> Fallback:
-    """The run-time fallback of ``node_id``'s fp8 collective to ``codec.fallback``."""
+def two_phase_fallback(node_id: str, codec: TwoPhaseCodec) -> Fallback:
+    """The run-time fallback of ``node_id``'s two-phase collective to ``codec.fallback``."""
     return Fallback(
         node_id,
         f"codec:{codec.name}",
         codec.fallback,
-        "the fp8 result is not finite: a rank's input is not finite, passes overflow_at or "
-        "quantizes past error_bound (it sends a NaN every rank of the group decodes)",
+        f"the {codec.name} result is not finite: a rank's input is not finite, passes "
+        "overflow_at or quantizes past error_bound (it sends a NaN every rank of the group "
+        "decodes)",
         when="run",
     )
 

@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lamina.comm.buckets import BucketPlan
-from lamina.comm.codecs import Codec, Fp8Codec
+from lamina.comm.codecs import Codec, TwoPhaseCodec
 from lamina.comm.cost import AlgorithmChoice
-from lamina.comm.fp8 import Fp8Sum
 from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
@@ -22,7 +21,7 @@ from lamina.strategies.algorithm_nodes import (
     algorithm_fallback,
     records_algorithm,
 )
-from lamina.strategies.codec_nodes import error_feedback_meta, fp8_fallback
+from lamina.strategies.codec_nodes import error_feedback_meta, two_phase_fallback
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -96,20 +95,18 @@ def _codec_applies(inputs: DPPlanInputs, dtype: str, choice: AlgorithmChoice | N
 
 
 def _codec_fact(inputs: DPPlanInputs, numel: int, wire: Codec | None) -> CodecFact | None:
-    """The bucket's codec (None: uncompressed); fp8's error-feedback memory with it."""
+    """The bucket's codec (None: uncompressed); a two-phase codec's error-feedback memory
+    with it."""
     if wire is None:
         return None
-    if not isinstance(wire, Fp8Codec):
+    if not isinstance(wire, TwoPhaseCodec):
         return CodecFact(wire.name)
-    residual = 0
-    if wire.settings.error_feedback:
-        if inputs.codec_scope == "inter":  # the 1/L shard, summed over the hosts
-            hosts = len(inputs.group) // inputs.ranks_per_host
-            shard = -(-numel // inputs.ranks_per_host)
-            residual = Fp8Sum.residual_bytes(shard, hosts, wire.settings.block)
-        else:
-            residual = Fp8Sum.residual_bytes(numel, len(inputs.group), wire.settings.block)
-    return CodecFact(wire.name, inputs.codec_scope, wire.settings.error_feedback, residual)
+    if inputs.codec_scope == "inter":  # the 1/L shard, summed over the hosts
+        hosts = len(inputs.group) // inputs.ranks_per_host
+        residual = wire.residual_bytes(-(-numel // inputs.ranks_per_host), hosts)
+    else:
+        residual = wire.residual_bytes(numel, len(inputs.group))
+    return CodecFact(wire.name, inputs.codec_scope, wire.error_feedback, residual)
 
 
 def _codec_fallbacks(node_id: str, codec: Codec, failed: str) -> list[Fallback]:
@@ -123,8 +120,8 @@ def _codec_fallbacks(node_id: str, codec: Codec, failed: str) -> list[Fallback]:
     )
     if failed:
         return [plan_time]
-    if isinstance(codec, Fp8Codec):
-        run_time = fp8_fallback(node_id, codec)
+    if isinstance(codec, TwoPhaseCodec):
+        run_time = two_phase_fallback(node_id, codec)
     else:
         run_time = Fallback(
             node_id,
@@ -155,8 +152,9 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
         )
         names = bucket.param_names
         how = f", {choice.algorithm}" if choice is not None and choice.algorithm != "flat" else ""
-        if isinstance(wire, Fp8Codec):
-            how += ", fp8 two-phase" + (" between hosts" if inputs.codec_scope == "inter" else "")
+        if isinstance(wire, TwoPhaseCodec):
+            between = " between hosts" if inputs.codec_scope == "inter" else ""
+            how += f", {wire.name} two-phase{between}"
         nodes.append(
             PlanNode(
                 node_id,

@@ -29,8 +29,8 @@ from lamina.comm.buckets import (
 )
 from lamina.comm.codecs import Codec, self_check
 from lamina.comm.cost import ALGORITHMS, AlgorithmChoice, CostModel, unavailable_algorithms
-from lamina.comm.fp8 import Fp8Channel
 from lamina.comm.reducer import GradientReducer
+from lamina.comm.two_phase import TwoPhaseChannel
 from lamina.graph import CapturedGraph, capture
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
@@ -158,7 +158,7 @@ class DataParallelState:
             algorithms=self._bucket_algorithms(execution),
             algorithm_groups=self.algorithm_groups,
             codec_scope=self.options.codec_scope,
-            fp8_channel=self._fp8_channel(execution),
+            channel=self._two_phase_channel(execution),
         )
         self.reducer.sync_enabled = self.sync_enabled  # planned inside no_sync(): stays off
         if self.compile_backend is not None:
@@ -240,15 +240,17 @@ class DataParallelState:
         codec = self.codec
         return codec is not None and codec.two_phase and codec.applies_to(getattr(torch, dtype))
 
-    def _fp8_channel(self, execution: ExecutionPlan) -> Fp8Channel | None:
-        """The process group (and gloo thread) of the fp8 sums over the whole group, when
+    def _two_phase_channel(self, execution: ExecutionPlan) -> TwoPhaseChannel | None:
+        """The process group (and gloo thread) of the two-phase sums over the whole group, when
         the plan has any (built after pre-flight agreed on the plan, like the groups of
         the algorithms)."""
         if self.options.codec_scope != "all" or execution.world_size == 1:
             return None
-        if not any(n.codec is not None and n.codec.name == "fp8" for n in execution.collectives()):
+        if self.codec is None or not self.codec.two_phase:
             return None
-        return Fp8Channel(self.ranks, self._pg_backend())
+        if not any(n.codec is not None for n in execution.collectives()):
+            return None
+        return TwoPhaseChannel(self.ranks, self._pg_backend())
 
     def _pg_backend(self) -> str:
         return str(dist.get_backend(self.group))

@@ -22,7 +22,7 @@ from torch import nn
 from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions, axis_names
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.wrapper import shard_module
+from lamina.strategies.zero3.sharding import shard_module
 
 if TYPE_CHECKING:
     from lamina.session import Runtime

@@ -1,9 +1,11 @@
 """ZeRO-3: ``lamina.distribute(model, "zero3")``, and the engine HSDP places on two axes.
 
 One folder, one strategy: :mod:`.options` (what it accepts), :mod:`.plan` (its execution
-plan from the shard layout), :mod:`.wrapper` (the model sharded in place over the memory
+plan from the shard layout), :mod:`.sharding` (the model sharded in place over the memory
 layer's engine: its parameters become DTensors, so torch's state-dict and checkpoint
-APIs work as with FSDP2), :mod:`.accounting` (memory against the ZeRO-3 formula).
+APIs work as with FSDP2; its steps in :mod:`.groups`, :mod:`.planning`,
+:mod:`.engine_settings` and :mod:`.engine_build`), :mod:`.module` (the methods the
+sharded model gains), :mod:`.accounting` (memory against the ZeRO-3 formula).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from torch import nn
 
 from lamina.device.mesh import DeviceMesh
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
+from lamina.strategies.zero3.module import ShardedModule
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.wrapper import ShardedModule, shard_module
+from lamina.strategies.zero3.sharding import shard_module
 
 if TYPE_CHECKING:
     from lamina.session import Runtime

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lamina.units import format_bytes
 
 if TYPE_CHECKING:
-    from lamina.strategies.zero3.wrapper import ShardedModule
+    from lamina.strategies.zero3.module import ShardedModule
 
 
 @dataclass(frozen=True)

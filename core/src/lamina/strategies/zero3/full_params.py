@@ -27,7 +27,7 @@ from torch import nn
 from lamina.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lamina.strategies.zero3.wrapper import ShardedModule
+    from lamina.strategies.zero3.module import ShardedModule
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from lamina.memory.engine import UnitState, comm_streams
 from lamina.strategies.zero3.init_rng import register_shards
 
 if TYPE_CHECKING:
-    from lamina.strategies.zero3.wrapper import ShardedModule
+    from lamina.strategies.zero3.module import ShardedModule
 
 Convert = Callable[[torch.Tensor], torch.Tensor]
 

@@ -11,7 +11,7 @@ from lamina.comm.cost import SHARDED_OPTIONS
 from lamina.errors import ConfigError
 from lamina.runtime.primitives import PRIMITIVE_MODES, REPLACEABLE
 from lamina.strategies.contract import StrategyOptions
-from lamina.strategies.zero3.fp8_units import sharded_codec
+from lamina.strategies.zero3.unit_codec import sharded_codec
 
 
 @dataclass(frozen=True)

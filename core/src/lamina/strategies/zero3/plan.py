@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lamina.comm.codecs import Fp8Codec
+from lamina.comm.codecs import TwoPhaseCodec
 from lamina.comm.cost import AlgorithmChoice
-from lamina.comm.fp8 import Fp8Scatter, Fp8Sum
-from lamina.dtypes import dtype_from_name
+from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.memory.layout import ShardLayout, UnitLayout
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.nodes import CodecFact, Collective, Compute, Free, Gather, GatherSpan
@@ -24,7 +23,7 @@ from lamina.strategies.algorithm_nodes import (
     algorithm_fallback,
     records_algorithm,
 )
-from lamina.strategies.codec_nodes import error_feedback_meta, fp8_fallback
+from lamina.strategies.codec_nodes import error_feedback_meta, two_phase_fallback
 
 OPTIMIZER = "optimizer"
 
@@ -84,8 +83,9 @@ class Zero3PlanInputs:
     #: the cost model that chose them.
     algorithms: Mapping[str, AlgorithmChoice] | None = None
     cost_model: str = ""
-    #: fp8 for the gradient: ZeRO-3's reduce-scatter, or HSDP's replica all-reduce.
-    codec: Fp8Codec | None = None
+    #: A two-phase codec for the gradient: ZeRO-3's reduce-scatter, or HSDP's replica
+    #: all-reduce.
+    codec: TwoPhaseCodec | None = None
     #: Units whose parameters are all frozen (``requires_grad=False``): gathered for the
     #: forward, and again for backward where activations need their weights, but never
     #: reduce-scattered (no gradient, no optimizer step).
@@ -116,32 +116,40 @@ def _gather_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     )
 
 
+def _wire(inputs: Zero3PlanInputs, role: str) -> tuple[str | None, int | None]:
+    """The wire dtype and element size of ``role``'s collective (None: uncompressed)."""
+    codec = inputs.codec
+    if codec is None or inputs.codec_role() != role:
+        return None, None
+    return dtype_name(codec.wire_dtype), codec.wire_dtype.itemsize
+
+
 def _scatter_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     groups = inputs.groups
-    fp8 = inputs.codec_role() == "scatter"
+    wire_dtype, wire_size = _wire(inputs, "scatter")
     return CollectiveSpec(
-        "all_to_all" if fp8 else inputs.scatter.op,
+        "all_to_all" if wire_dtype else inputs.scatter.op,
         unit.dtype,
         unit.total_numel,
         unit.element_size,
         groups.shard,
-        wire_dtype="float8_e4m3fn" if fp8 else None,
-        wire_element_size=1 if fp8 else None,
+        wire_dtype=wire_dtype,
+        wire_element_size=wire_size,
         axis=groups.shard_axis,
     )
 
 
 def _replicate_spec(inputs: Zero3PlanInputs, unit: UnitLayout) -> CollectiveSpec:
     groups = inputs.groups
-    fp8 = inputs.codec_role() == "replicate"
+    wire_dtype, wire_size = _wire(inputs, "replicate")
     return CollectiveSpec(
         "all_reduce",
         unit.dtype,
         unit.shard_numel,
         unit.element_size,
         groups.replicate,
-        wire_dtype="float8_e4m3fn" if fp8 else None,
-        wire_element_size=1 if fp8 else None,
+        wire_dtype=wire_dtype,
+        wire_element_size=wire_size,
         axis=groups.replicate_axis,
     )
 
@@ -152,15 +160,11 @@ def _codec_fact(inputs: Zero3PlanInputs, unit: UnitLayout, role: str) -> CodecFa
     if codec is None or inputs.codec_role() != role:
         return None
     if role == "scatter":
-        residual = Fp8Scatter.residual_bytes(unit.total_numel, len(inputs.groups.shard))
+        residual = codec.scatter_residual_bytes(unit.total_numel, len(inputs.groups.shard))
     else:
-        residual = Fp8Sum.residual_bytes(unit.shard_numel, len(inputs.groups.replicate))
-    return CodecFact(
-        codec.name,
-        "all" if role == "scatter" else "replicas",
-        codec.settings.error_feedback,
-        residual if codec.settings.error_feedback else 0,
-    )
+        residual = codec.residual_bytes(unit.shard_numel, len(inputs.groups.replicate))
+    scope = "all" if role == "scatter" else "replicas"
+    return CodecFact(codec.name, scope, codec.error_feedback, residual)
 
 
 def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
@@ -268,7 +272,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     nodes.append(PlanNode(OPTIMIZER, "optimizer", "step", label, Compute()))
     for node in nodes:
         if node.codec is not None and inputs.codec is not None:
-            fallbacks.append(fp8_fallback(node.id, inputs.codec))
+            fallbacks.append(two_phase_fallback(node.id, inputs.codec))
         if node.kind == "gather":
             fallbacks.append(_fallback(node.id, inputs.gather))
         elif node.scatters_gradient:
@@ -334,14 +338,6 @@ def _fallback(node_id: str, choice: PrimitiveChoice) -> Fallback:
         taken=choice.fell_back,
         reason=choice.reason,
     )
-
-
-def codec_role_of(plan: ExecutionPlan) -> str:
-    """The gradient collective the plan compresses: "scatter", "replicate" or ''."""
-    for node in plan.collectives():
-        if node.codec is not None:
-            return "scatter" if node.scatters_gradient else "replicate"
-    return ""
 
 
 def shard_lines(layout: ShardLayout) -> tuple[str, ...]:

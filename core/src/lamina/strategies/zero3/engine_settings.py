@@ -1,0 +1,95 @@
+"""The ZeRO-3 engine's settings, read from the verified execution plan.
+
+The gather and reduce-scatter primitives, the units run hierarchically, the gradient
+collective the codec compresses, and each unit's node ids: read from the nodes' typed
+facts (:mod:`lamina.runtime.nodes`), never from their labels, so the engine runs what
+every rank verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lamina.memory.gather import Primitive
+from lamina.runtime import ExecutionPlan
+from lamina.runtime.nodes import Collective, Gather
+from lamina.strategies.zero3 import plan as plan_z3
+
+#: Plan op of a gather / reduce-scatter node -> the engine's primitive.
+PRIMITIVES: dict[str, Primitive] = {
+    "all_gather": "native",
+    "reduce_scatter": "native",
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_to_all": "all_to_all",
+}
+
+
+def gather_primitive(plan: ExecutionPlan) -> Primitive:
+    """The primitive the plan's first gather node uses (all gathers share it)."""
+    gathers = [g for n in plan.nodes if (g := n.facts(Gather)) is not None]
+    return PRIMITIVES[gathers[0].primitive if gathers else "all_gather"]
+
+
+def scatter_primitive(plan: ExecutionPlan) -> Primitive:
+    """The primitive the plan's reduce-scatter nodes use."""
+    scatters = [c for n in plan.nodes if n.scatters_gradient and (c := n.facts(Collective))]
+    return PRIMITIVES[scatters[0].primitive if scatters else "reduce_scatter"]
+
+
+def hierarchical_units(plan: ExecutionPlan) -> frozenset[str]:
+    """The units whose gathers and reduce-scatter the plan runs hierarchically."""
+    return frozenset(
+        n.unit
+        for n in plan.nodes
+        if (n.kind == "gather" or n.scatters_gradient)
+        and n.algorithm is not None
+        and n.algorithm.name == "hierarchical"
+    )
+
+
+def codec_role_of(plan: ExecutionPlan) -> str:
+    """The gradient collective the plan compresses: "scatter", "replicate" or ''."""
+    for node in plan.collectives():
+        if node.codec is not None:
+            return "scatter" if node.scatters_gradient else "replicate"
+    return ""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine takes from one plan (see :func:`engine_settings`)."""
+
+    #: The primitive of every parameter gather, and of every gradient reduce-scatter.
+    gather: Primitive
+    scatter: Primitive
+    #: Units whose gathers and reduce-scatter run hierarchically.
+    hierarchical: frozenset[str]
+    #: The gradient collective the codec compresses: "scatter", "replicate" or ''.
+    codec_role: str
+    #: The ids of the plan's nodes.
+    node_ids: frozenset[str]
+
+    def unit_nodes(self, unit: str) -> dict[str, str]:
+        """The plan's node ids of ``unit``'s collectives, by the engine's name for them."""
+        return {
+            "fwd": plan_z3.gather_node(unit, "fwd"),
+            "bwd": plan_z3.gather_node(unit, "bwd"),
+            "scatter": plan_z3.scatter_node(unit),
+            "replicate": plan_z3.replicate_node(unit),
+        }
+
+    def gathers_for_backward(self, unit: str) -> bool:
+        """Whether the plan gathers ``unit`` again for backward."""
+        return plan_z3.gather_node(unit, "bwd") in self.node_ids
+
+
+def engine_settings(plan: ExecutionPlan) -> EngineSettings:
+    """The engine's settings from ``plan``."""
+    return EngineSettings(
+        gather=gather_primitive(plan),
+        scatter=scatter_primitive(plan),
+        hierarchical=hierarchical_units(plan),
+        codec_role=codec_role_of(plan),
+        node_ids=frozenset(n.id for n in plan.nodes),
+    )
