@@ -23,8 +23,10 @@ from lamina.comm.codecs import TwoPhaseCodec
 from lamina.comm.cost import CostModel
 from lamina.errors import ConfigError
 from lamina.memory import ShardLayout
-from lamina.memory.engine import UnitState, Zero3Engine, comm_streams
+from lamina.memory.engine import UnitState, Zero3Engine
 from lamina.memory.hierarchy import HostHierarchy
+from lamina.memory.streams import comm_streams
+from lamina.memory.unit_config import UnitConfig
 from lamina.runtime import RunLog
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.zero3.engine_settings import EngineSettings
@@ -108,31 +110,33 @@ def build_engine(
         }
         units.append(
             UnitState(
-                unit,
-                shard,
-                params,
-                {n: places[n] for n in params},
-                groups.rank,
-                settings.gather,
-                groups.group,
-                make_grad,
-                compute_dtype=options.param_dtype,
-                scatter_primitive=settings.scatter,
-                nodes=settings.unit_nodes(unit.name),
-                observer=run_log,
-                replicate_group=groups.replicate_group,
-                replicas=max(1, len(groups.replicas)),
-                hierarchy=hierarchy if unit.name in settings.hierarchical else None,
-                codec=(
-                    UnitCodec(codec, unit.flag_region)
-                    if codec is not None and settings.codec_role
-                    else None
-                ),
-                codec_role=settings.codec_role or "scatter",
-                keep_for_backward=options.reshard_after_forward
-                and not settings.gathers_for_backward(unit.name),
-                frozen=frozen,
-                planned_bwd_gather=settings.gathers_for_backward(unit.name),
+                UnitConfig(
+                    unit,
+                    shard,
+                    params,
+                    {n: places[n] for n in params},
+                    groups.rank,
+                    settings.gather,
+                    groups.group,
+                    make_grad,
+                    compute_dtype=options.param_dtype,
+                    scatter_primitive=settings.scatter,
+                    nodes=settings.unit_nodes(unit.name),
+                    observer=run_log,
+                    replicate_group=groups.replicate_group,
+                    replicas=max(1, len(groups.replicas)),
+                    hierarchy=hierarchy if unit.name in settings.hierarchical else None,
+                    codec=(
+                        UnitCodec(codec, unit.flag_region)
+                        if codec is not None and settings.codec_role
+                        else None
+                    ),
+                    codec_role=settings.codec_role or "scatter",
+                    keep_for_backward=options.reshard_after_forward
+                    and not settings.gathers_for_backward(unit.name),
+                    frozen=frozen,
+                    planned_bwd_gather=settings.gathers_for_backward(unit.name),
+                )
             )
         )
     device = next((u.shard.device for u in units), torch.device("cpu"))

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
-from lamina.memory.engine import UnitState, comm_streams
+from lamina.memory.engine import UnitState
+from lamina.memory.streams import comm_streams
 from lamina.strategies.zero3.init_rng import register_shards
 
 if TYPE_CHECKING:
