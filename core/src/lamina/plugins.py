@@ -7,7 +7,7 @@ import os
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import pluggy
 
@@ -16,6 +16,9 @@ from lamina.device.backend import Availability, Backend
 from lamina.device.kernels import KernelRegistry, builtin_registry
 from lamina.device.topology import HostTopology
 from lamina.errors import BackendNotFoundError, BackendUnavailableError
+
+#: A plugin-registered item (a strategy, a codec).
+T = TypeVar("T")
 
 #: Environment variable that names the backend to use, overriding priorities.
 BACKEND_ENV = "LAMINA_BACKEND"
@@ -143,6 +146,27 @@ class PluginRegistry:
                 "return a lamina.device.topology.HostTopology or None",
             )
         return backend.discover_host_topology(local_rank, local_world_size)
+
+    def collect_named(
+        self, hook_name: str, item_type: type[object], known: dict[str, T], noun: str
+    ) -> dict[str, T]:
+        """``known`` plus every plugin's answer to ``hook_name`` (a list of ``item_type``
+        with a ``name`` each), by name. A plugin answering something else, or reusing a
+        name, fails at ``hook <hook_name>`` and adds nothing; the others stay."""
+        for plugin, result in self.call_isolated(hook_name):
+            items = result if isinstance(result, (list, tuple)) else [result]
+            bad = next((i for i in items if not isinstance(i, item_type)), None)
+            taken = next((i.name for i in items if getattr(i, "name", None) in known), None)
+            if bad is not None or taken is not None:
+                why = (
+                    f"returned {type(bad).__name__}, not a lamina {item_type.__name__}"
+                    if bad is not None
+                    else f"{noun} name {taken!r} is already registered"
+                )
+                self.fail_plugin(plugin, f"hook {hook_name}", why)
+                continue
+            known.update({i.name: i for i in items})
+        return known
 
     def fail_plugin(self, plugin_name: str, stage: str, message: str) -> None:
         """Record ``plugin_name`` as failed at ``stage`` (e.g. a hook's answer was invalid)

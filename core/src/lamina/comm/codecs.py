@@ -110,6 +110,21 @@ class CastCodec(Codec):
         out.copy_(wire)
 
 
+def check_two_phase_settings(
+    codec: str, error_bound: float, overflow_at: float, fallback: str
+) -> None:
+    """ConfigError naming ``codec`` when a two-phase codec's bounds are not positive or
+    its ``fallback`` is not an exact reduction lamina has."""
+    if not error_bound > 0 or not overflow_at > 0:
+        raise ConfigError(
+            f"{codec} error_bound={error_bound} and overflow_at={overflow_at} must be > 0"
+        )
+    if fallback not in TWO_PHASE_FALLBACKS:
+        raise ConfigError(
+            f"{codec} fallback={fallback!r} is not one of {list(TWO_PHASE_FALLBACKS)}"
+        )
+
+
 class TwoPhaseCodec(Codec):
     """A codec that sums in two phases of its own collectives (the collective cannot sum
     its wire form). ``fallback`` is the exact reduction (``"fp32"`` or ``"bf16"``) a bucket
@@ -179,14 +194,7 @@ class Fp8Codec(TwoPhaseCodec):
     ) -> None:
         if block < 1 or block & (block - 1):
             raise ConfigError(f"fp8 block={block} must be a power of two (128 is measured)")
-        if not error_bound > 0 or not overflow_at > 0:
-            raise ConfigError(
-                f"fp8 error_bound={error_bound} and overflow_at={overflow_at} must be > 0"
-            )
-        if fallback not in TWO_PHASE_FALLBACKS:
-            raise ConfigError(
-                f"fp8 fallback={fallback!r} is not one of {list(TWO_PHASE_FALLBACKS)}"
-            )
+        check_two_phase_settings(self.name, error_bound, overflow_at, fallback)
         self.settings = Fp8Settings(block, error_feedback, error_bound, overflow_at, launcher)
         self.fallback = fallback
         self.error_feedback = error_feedback

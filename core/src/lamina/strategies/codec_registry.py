@@ -24,20 +24,9 @@ def codecs(plugins: PluginRegistry | None = None) -> dict[str, Codec]:
     plugins = plugins or get_registry()
     known = _BY_REGISTRY.get(plugins)
     if known is None:
-        known = dict(BUILTIN_CODECS)
-        for plugin, result in plugins.call_isolated("lamina_register_codecs"):
-            items = result if isinstance(result, (list, tuple)) else [result]
-            bad = next((i for i in items if not isinstance(i, Codec)), None)
-            taken = next((i.name for i in items if getattr(i, "name", None) in known), None)
-            if bad is not None or taken is not None:
-                why = (
-                    f"returned {type(bad).__name__}, not a lamina Codec"
-                    if bad is not None
-                    else f"codec name {taken!r} is already registered"
-                )
-                plugins.fail_plugin(plugin, "hook lamina_register_codecs", why)
-                continue
-            known.update({c.name: c for c in items})
+        known = plugins.collect_named(
+            "lamina_register_codecs", Codec, dict(BUILTIN_CODECS), "codec"
+        )
         _BY_REGISTRY[plugins] = known
     return known
 

@@ -34,20 +34,12 @@ def strategies(plugins: PluginRegistry | None = None) -> dict[str, Strategy]:
     plugins = plugins or get_registry()
     known = _BY_REGISTRY.get(plugins)
     if known is None:
-        known = {s.name: s for s in builtin_strategies()}
-        for plugin, result in plugins.call_isolated("lamina_register_strategies"):
-            items = result if isinstance(result, (list, tuple)) else [result]
-            bad = next((i for i in items if not isinstance(i, Strategy)), None)
-            taken = next((i.name for i in items if getattr(i, "name", None) in known), None)
-            if bad is not None or taken is not None:
-                why = (
-                    f"returned {type(bad).__name__}, not a lamina Strategy"
-                    if bad is not None
-                    else f"strategy name {taken!r} is already registered"
-                )
-                plugins.fail_plugin(plugin, "hook lamina_register_strategies", why)
-                continue
-            known.update({s.name: s for s in items})
+        known = plugins.collect_named(
+            "lamina_register_strategies",
+            Strategy,
+            {s.name: s for s in builtin_strategies()},
+            "strategy",
+        )
         _BY_REGISTRY[plugins] = known
     return known
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lamina.comm.codecs import TWO_PHASE_FALLBACKS, TwoPhaseCodec
+from lamina.comm.codecs import TwoPhaseCodec, check_two_phase_settings
 from lamina.comm.two_phase import QuantizationCounts, SumStats, all_gather_slots
 from lamina.errors import ConfigError
 from lamina.works import AllWorks
@@ -295,14 +295,7 @@ class Int8Codec(TwoPhaseCodec):
     ) -> None:
         if block < 1:
             raise ConfigError(f"int8 block={block} must be at least 1 (128 is measured)")
-        if not error_bound > 0 or not overflow_at > 0:
-            raise ConfigError(
-                f"int8 error_bound={error_bound} and overflow_at={overflow_at} must be > 0"
-            )
-        if fallback not in TWO_PHASE_FALLBACKS:
-            raise ConfigError(
-                f"int8 fallback={fallback!r} is not one of {list(TWO_PHASE_FALLBACKS)}"
-            )
+        check_two_phase_settings(self.name, error_bound, overflow_at, fallback)
         self.block = block
         self.error_feedback = error_feedback
         self.error_bound = error_bound
