@@ -24,9 +24,7 @@ from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan
 from lamina.runtime.primitives import choose_primitive
 from lamina.strategies import Placement
-from lamina.strategies.dp import replicate_module
 from lamina.strategies.dp.compiled import compile_backend_of
-from lamina.strategies.zero3 import shard_module
 from lamina.trace import recorder as rec
 from lamina.trace import watchdog
 
@@ -139,10 +137,10 @@ def test_distribute_names_a_mesh_that_does_not_cover_the_job() -> None:
 # -- strategies/dp.py -------------------------------------------------------------------------
 def test_data_parallel_without_init_says_to_call_init() -> None:
     runtime = lamina.init()
-    lamina.shutdown()  # a runtime kept past shutdown: its process group is gone
+    dist.destroy_process_group()  # a runtime whose process group someone else destroyed
     assert not dist.is_initialized()
     with pytest.raises(ConfigError) as excinfo:
-        replicate_module(_net(), runtime)
+        lamina.distribute(_net(), "dp", runtime=runtime)
     assert _message(excinfo) == (
         "strategy 'dp' needs torch.distributed; call lamina.init() before distribute()"
     )
@@ -166,7 +164,8 @@ def test_a_model_distributed_twice_is_refused() -> None:
     with pytest.raises(ConfigError) as excinfo:
         lamina.distribute(model, "dp")
     assert _message(excinfo) == (
-        "this Sequential is already distributed with 'dp'; distribute the model once"
+        "this Sequential is already distributed with 'dp'; distribute the model once, "
+        "with one strategy"
     )
 
 
@@ -192,7 +191,10 @@ def test_distributing_a_sharded_model_again_says_to_do_it_once() -> None:
     model = _zero3()
     with pytest.raises(ConfigError) as excinfo:
         lamina.distribute(model, "zero3")
-    assert _message(excinfo) == ("this Sequential is already sharded; distribute the model once")
+    assert _message(excinfo) == (
+        "this Sequential is already distributed with 'zero3'; distribute the model once, "
+        "with one strategy"
+    )
 
 
 def test_sharding_a_data_parallel_model_says_to_pick_one_strategy() -> None:
@@ -201,8 +203,8 @@ def test_sharding_a_data_parallel_model_says_to_pick_one_strategy() -> None:
     with pytest.raises(ConfigError) as excinfo:
         lamina.distribute(model, "zero3")
     assert _message(excinfo) == (
-        "this Sequential is already distributed (it has an execution_plan); distribute "
-        "the model once, with one strategy"
+        "this Sequential is already distributed with 'dp'; distribute the model once, "
+        "with one strategy"
     )
 
 
@@ -211,8 +213,16 @@ def test_zero3_without_init_says_to_call_init() -> None:
     lamina.shutdown()  # a runtime kept past shutdown: its process group is gone
     model = _net()
     with pytest.raises(ConfigError) as excinfo:
-        shard_module(model, runtime)
-    assert _message(excinfo) == "ZeRO-3 needs torch.distributed; call lamina.init() first"
+        lamina.distribute(model, "zero3", runtime=runtime)
+    assert _message(excinfo) == "this mesh was released by lamina.shutdown(); call lamina.init()"
+    assert type(model) is nn.Sequential  # left as it was
+    runtime = lamina.init()
+    dist.destroy_process_group()  # a runtime whose process group someone else destroyed
+    with pytest.raises(ConfigError) as excinfo:
+        lamina.distribute(model, "zero3", runtime=runtime)
+    assert _message(excinfo) == (
+        "strategy 'zero3' needs torch.distributed; call lamina.init() before distribute()"
+    )
     assert type(model) is nn.Sequential  # left as it was
 
 

@@ -348,7 +348,10 @@ def test_the_model_keeps_its_class_keys_and_attributes(results: list[dict[str, A
             "params": True,
             "modules": True,
             "alias": True,
-            "twice": "this GPT is already distributed with 'dp'; distribute the model once",
+            "twice": (
+                "this GPT is already distributed with 'dp'; distribute the model once, "
+                "with one strategy"
+            ),
             "own_module": True,  # the model's own `module` wins over the alias
             "own_plan": "the model's own",
             "own_planned": True,

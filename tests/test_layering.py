@@ -56,7 +56,9 @@ RANKS: dict[str, int] = {
     "backends": 3,
     "plugins": 3,
     # 4: what combines mechanisms: strategies, the session (lamina.init), the simulator.
-    # Strategies are given the runtime: they may name session types under TYPE_CHECKING only
+    # Strategies are given a StrategyContext; only lamina.distribute's sequence (the wrap
+    # pipeline, pre-flight, the context's constructor) names the session, under
+    # TYPE_CHECKING only
     "strategies": 4,
     "session": 4,
     "simulate": 4,
@@ -283,6 +285,19 @@ def test_no_runtime_import_cycle() -> None:
         for cycle in runtime_cycles(modules)
     ]
     assert cycles == [], "run-time import cycles:\n" + "\n".join(cycles)
+
+
+#: The strategy modules that see the session (lamina.distribute's own sequence).
+SESSION_READERS = {"context.py", "preflight.py", "wrap_pipeline.py"}
+
+
+def test_strategies_see_the_narrow_context_not_the_session() -> None:
+    readers = sorted(
+        str(path.relative_to(PACKAGE / "strategies"))
+        for path in (PACKAGE / "strategies").rglob("*.py")
+        if "lamina.session" in path.read_text()
+    )
+    assert readers == sorted(SESSION_READERS)
 
 
 def test_strategies_are_given_the_runtime_and_never_look_it_up() -> None:

@@ -10,6 +10,7 @@ from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
 from lamina.strategies.contract import Placement
 from lamina.strategies.registry import get_strategy
+from lamina.strategies.wrap_pipeline import distribute_with
 
 
 def distribute(
@@ -40,4 +41,4 @@ def distribute(
     settings = chosen.options.from_kwargs(chosen.name, options)
     where = placement if placement is not None else chosen.default_placement(runtime.mesh)
     where.check(runtime.mesh, chosen.name)
-    return chosen.wrap(model, runtime, where, settings)
+    return distribute_with(chosen, model, runtime, where, settings)

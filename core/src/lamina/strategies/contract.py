@@ -9,32 +9,41 @@ A strategy is one class (subclass :class:`Strategy`) in one folder of
   the keyword arguments the strategy accepts (``__post_init__`` validates them); an
   unknown or misspelt option is a :class:`~lamina.errors.ConfigError` naming it and
   listing the valid ones;
-- :meth:`Strategy.default_placement`: which named axes of ``runtime.mesh`` it shards over
-  and which it replicates over when the caller does not say (:class:`Placement`);
-- :meth:`Strategy.wrap`: the wrapped model, given the runtime explicitly (never looked
-  up). The wrapped model keeps torch's conventions and exposes ``execution_plan`` and
-  ``step_summary()``; before its first collective it calls
-  :func:`lamina.strategies.preflight.before_first_collective` with its plan and the
-  manifest items it contributes to pre-flight verification (:class:`PlannedStep`), so
-  that the verifier compares what the strategy knows without knowing strategies.
+- :meth:`Strategy.default_placement`: which named axes of the mesh it shards over and
+  which it replicates over when the caller does not say (:class:`Placement`);
+- :meth:`Strategy.plan`: the step's :class:`~lamina.runtime.ExecutionPlan` and what the
+  strategy adds to pre-flight verification, without a collective (:class:`PlannedStep`);
+- :meth:`Strategy.build`: the distributed model from the planned step, after lamina has
+  verified the plan across ranks and run the plan's setup broadcast.
+
+Between the two, :func:`lamina.distribute` (:mod:`lamina.strategies.wrap_pipeline`)
+stops for ``lamina plan`` / ``lamina verify``, runs pre-flight verification and the
+setup broadcast, in one place for every strategy: a strategy never calls them. A
+strategy that plans from a forward's inputs (``dp`` captures the graph at the first
+forward that records gradients) says so with :meth:`Strategy.plans_at_first_forward` and
+gets, in :meth:`Strategy.prepare` (the model as it runs before its plan exists), the
+callable that runs the same sequence then. Strategies see the job through
+:class:`~lamina.strategies.context.StrategyContext`. The distributed model keeps torch's
+conventions and exposes ``execution_plan`` and ``step_summary()``.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
-from lamina.runtime import ExecutionPlan
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
+from lamina.runtime import ExecutionPlan, RunLog
+from lamina.strategies.context import StrategyContext
+from lamina.verify import PreflightReport
 
 #: Manifest items a strategy contributes: (category, canonical lines) pairs.
 ManifestItems = tuple[tuple[str, tuple[str, ...]], ...]
@@ -55,13 +64,13 @@ class Placement:
     replicate: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for field in ("shard", "replicate"):
-            value = getattr(self, field)
+        for role in ("shard", "replicate"):
+            value = getattr(self, role)
             if isinstance(value, str) or not all(isinstance(a, str) for a in value):
                 raise ConfigError(
-                    f"Placement.{field} must be a tuple of mesh axis names, got {value!r}"
+                    f"Placement.{role} must be a tuple of mesh axis names, got {value!r}"
                 )
-            object.__setattr__(self, field, tuple(value))
+            object.__setattr__(self, role, tuple(value))
         both = sorted(set(self.shard) & set(self.replicate))
         if both:
             raise ConfigError(
@@ -114,12 +123,55 @@ class StrategyOptions:
 
 
 @dataclass(frozen=True)
-class PlannedStep:
-    """What a strategy has planned before its first collective: the plan and the items
-    it adds to this rank's pre-flight manifest (e.g. the captured graph, the shards)."""
+class StepInputs:
+    """The inputs of the forward a strategy plans from (``dp``: the first one that records
+    gradients, or ``example_inputs``)."""
 
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SetupBroadcast:
+    """The plan's setup broadcast: ``tensors`` from global rank ``source`` over ``group``
+    (None: the whole job), one collective per dtype as the plan's ``setup`` broadcast
+    nodes say; run by :func:`lamina.distribute` after pre-flight."""
+
+    tensors: tuple[torch.Tensor, ...]
+    source: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """What a strategy has planned before its first collective (:meth:`Strategy.plan`).
+
+    ``module`` is the model being distributed, ``plan`` its step, ``manifest`` the items
+    added to this rank's pre-flight manifest (the captured graph, the shards),
+    ``broadcast`` the setup broadcast to run (None: none), ``inputs`` what the strategy's
+    :meth:`Strategy.build` needs beyond the plan (its own type, opaque to lamina).
+    :func:`lamina.distribute` fills ``preflight`` (None when verification is off) and
+    ``run_log`` (the step's log, holding the setup broadcast) before calling ``build``.
+    """
+
+    module: nn.Module
     plan: ExecutionPlan
     manifest: ManifestItems = ()
+    broadcast: SetupBroadcast | None = None
+    inputs: Any = None
+    preflight: PreflightReport | None = None
+    run_log: RunLog | None = None
+
+    def log(self) -> RunLog:
+        """The run log lamina made for this plan (a RuntimeError before it did)."""
+        if self.run_log is None:
+            raise RuntimeError("build() before lamina.distribute set the planned step up")
+        return self.run_log
+
+
+#: Plans, verifies, broadcasts and builds the step from a forward's inputs (given to a
+#: strategy that plans at its first forward); returns the built model.
+PlanAndBuild = Callable[[StepInputs], nn.Module]
 
 
 class Strategy(abc.ABC):
@@ -138,10 +190,40 @@ class Strategy(abc.ABC):
         ConfigError naming the axes it needs when the mesh lacks them."""
 
     @abc.abstractmethod
-    def wrap(
-        self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The planned step of ``model`` on ``placement``, without a collective (a
+        ConfigError for a model or placement the strategy cannot take). ``inputs`` are
+        the forward's, for a strategy that plans from them (None otherwise)."""
+
+    @abc.abstractmethod
+    def build(self, planned: PlannedStep) -> nn.Module:
+        """The distributed model (a module with ``execution_plan`` and ``step_summary``)
+        as ``planned`` says, verified and set up by lamina."""
+
+    def plans_at_first_forward(self, options: StrategyOptions) -> bool:
+        """Whether the plan waits for a forward's inputs (default: no, planned at once)."""
+        return False
+
+    def prepare(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        plan_and_build: PlanAndBuild,
     ) -> nn.Module:
-        """The distributed model (a module with ``execution_plan`` and ``step_summary``)."""
+        """The model as it runs before its plan exists (called first, always; no
+        collective). A strategy that :meth:`plans_at_first_forward` keeps
+        ``plan_and_build`` and calls it with that forward's inputs. Default: ``model``
+        unchanged."""
+        return model
 
     def describe(self) -> str:
         """``name: summary (options: a, b, c)``."""

@@ -1,7 +1,8 @@
 """What every strategy does between planning and its first collective.
 
-A wrapped model calls :func:`before_first_collective` once, with the runtime it was
-given, its :class:`~lamina.strategies.contract.PlannedStep` and the module. That runs
+:func:`lamina.distribute` (:mod:`lamina.strategies.wrap_pipeline`) calls
+:func:`before_first_collective` once per model, with the session, the strategy's
+:class:`~lamina.strategies.contract.PlannedStep` and the module. That runs
 the pre-flight cross-rank verification (:func:`lamina.verify.preflight`) unless the
 strategy was given ``verify=False``, with the manifest items the strategy contributes.
 

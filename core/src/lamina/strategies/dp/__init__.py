@@ -8,23 +8,28 @@ in place), :mod:`.compiled` (the compiled forward and its fallback to eager).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
-from lamina.strategies.contract import Placement, Strategy, StrategyOptions
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlanAndBuild,
+    PlannedStep,
+    StepInputs,
+    Strategy,
+    StrategyOptions,
+)
 from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.dp.wrapper import DataParallelModule, replicate_module
 
-if TYPE_CHECKING:
-    from lamina.session import Runtime
-
 
 class DataParallelStrategy(Strategy):
-    """Replicates the model over every axis it is placed on; averages gradients there."""
+    """Replicates the model over every axis it is placed on; averages gradients there.
+    The step is planned from the graph captured at the first forward that records
+    gradients (or from ``example_inputs``, at once)."""
 
     name = "dp"
     summary = "data parallel: bucketed gradient all-reduces planned from the captured graph"
@@ -34,18 +39,50 @@ class DataParallelStrategy(Strategy):
         """Replicate over every mesh axis (the whole job)."""
         return Placement(replicate=mesh.axis_names)
 
-    def wrap(
-        self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
+    def plans_at_first_forward(self, options: StrategyOptions) -> bool:
+        """Yes, unless ``example_inputs`` / ``example_kwargs`` were given."""
+        assert isinstance(options, DataParallelOptions)
+        return options.example_inputs is None and options.example_kwargs is None
+
+    def prepare(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        plan_and_build: PlanAndBuild,
     ) -> nn.Module:
         """``model`` itself, extended by :class:`DataParallelModule` over the group
-        ``placement`` replicates over."""
+        ``placement`` replicates over; it plans at its first forward with gradients."""
         if placement.shard:
             raise ConfigError(
                 f"strategy 'dp' does not shard, but placement shards over {list(placement.shard)}; "
                 "replicate over every mesh axis, or use 'zero3' or 'hsdp'"
             )
         assert isinstance(options, DataParallelOptions)
-        return replicate_module(model, runtime, placement, options)
+        return replicate_module(model, ctx, placement, options, plan_and_build)
+
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The bucketed step from the graph captured on ``inputs`` (else the options'
+        example inputs)."""
+        assert isinstance(model, DataParallelModule) and isinstance(options, DataParallelOptions)
+        if inputs is None:
+            inputs = StepInputs(options.example_inputs or (), options.example_kwargs or {})
+        return model.lamina_dp.plan_step(model, inputs)
+
+    def build(self, planned: PlannedStep) -> nn.Module:
+        """The model with its reducer installed, as the plan says."""
+        model = planned.module
+        assert isinstance(model, DataParallelModule)
+        model.lamina_dp.install(model, planned)
+        return model
 
 
 __all__ = [

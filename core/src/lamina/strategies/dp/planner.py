@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,51 +37,67 @@ from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
 from lamina.strategies.coalesced import dtype_totals, run_broadcast_nodes
 from lamina.strategies.codec_registry import resolve_codec
-from lamina.strategies.contract import Placement, PlannedStep
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlanAndBuild,
+    PlannedStep,
+    SetupBroadcast,
+    StepInputs,
+)
 from lamina.strategies.dp import plan as plan_dp
 from lamina.strategies.dp.compiled import CompiledForward, compile_backend_of
 from lamina.strategies.dp.options import DataParallelOptions
-from lamina.strategies.preflight import before_first_collective
 from lamina.verify import PreflightReport
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
 
 #: The model's own forward (the class's before ``dp`` extended it), bound to the model.
 Forward = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class PlannedBuckets:
+    """What :meth:`DataParallelState.install` builds on besides the execution plan."""
+
+    graph: CapturedGraph
+    buckets: BucketPlan
 
 
 class DataParallelState:
     """The data-parallel group, options and (once planned) the graph, bucket plan,
     execution plan, run log, pre-flight report and reducer of one model.
 
-    The group is the one ``placement`` replicates over on ``runtime.mesh``. Nothing is
-    planned and no collective runs until :meth:`prepare` (at the first forward that
-    records gradients, or at wrap time from ``example_inputs``).
+    The group is the one ``placement`` replicates over on ``ctx.mesh``. Nothing is
+    planned and no collective runs until ``plan_and_build`` (lamina.distribute's plan,
+    verify, broadcast and build sequence) runs, at the first forward that records
+    gradients or at wrap time from ``example_inputs``: :meth:`plan_step` plans,
+    :meth:`install` builds.
     """
 
     def __init__(
         self,
-        runtime: Runtime,
+        ctx: StrategyContext,
         placement: Placement,
         options: DataParallelOptions,
         model_class: type[nn.Module],
+        plan_and_build: PlanAndBuild,
     ) -> None:
-        self.runtime = runtime
+        self.ctx = ctx
+        #: lamina.distribute's sequence, run once at the first forward with gradients.
+        self.plan_and_build = plan_and_build
         #: The model's class before ``dp`` extended it.
         self.model_class = model_class
         self.options = options
         self.placement = placement
-        self.group, self.ranks = runtime.mesh.group_over(placement.replicate)
-        self.axis = runtime.mesh.axes_label(placement.replicate)
-        self.handle = runtime.handle
+        self.group, self.ranks = ctx.mesh.group_over(placement.replicate)
+        self.axis = ctx.mesh.axes_label(placement.replicate)
+        self.handle = ctx.handle
         self.broadcast_buffers = options.broadcast_buffers
         cap = options.bucket_cap_mb
         self._cap_bytes = None if cap is None else int(cap * MIB)
         first = options.first_bucket_mb
         self._first_bytes = None if first is None else int(first * MIB)
         codec = resolve_codec(options.codec)
-        self.codec = codec.on_backend(runtime.kernels) if codec is not None else None
+        self.codec = codec.on_backend(ctx.kernels) if codec is not None else None
         self.compile_backend = compile_backend_of(options.compile)
         self.source = self.ranks[0]
         self.graph: CapturedGraph | None = None
@@ -98,29 +115,20 @@ class DataParallelState:
         self._choices: dict[int, AlgorithmChoice] = {}
 
     # -- planning ------------------------------------------------------------------------
-    def prepare(
-        self,
-        module: nn.Module,
-        forward: Forward,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> BucketPlan:
-        """Capture the graph of ``module`` (seen as its own class) from example inputs,
-        plan the step, verify the plan across ranks, broadcast the first rank's state and
-        install the reducer; ``forward`` is the model's own forward (what ``compile=``
-        compiles)."""
-        if self.plan is not None:
-            return self.plan
+    def plan_step(self, module: nn.Module, inputs: StepInputs) -> PlannedStep:
+        """Capture the graph of ``module`` (seen as its own class) from ``inputs`` and
+        plan the step: buckets, each bucket's algorithm and codec, the execution plan,
+        the setup broadcast of the first rank's state. No collective."""
         methods = self.options.capture_methods
         with _seen_as(module, self.model_class):
-            graph = capture(module, args, kwargs, methods=methods)  # type: ignore[arg-type]
+            graph = capture(module, inputs.args, dict(inputs.kwargs), methods=methods)  # type: ignore[arg-type]
         named = dict(module.named_parameters())
         specs = [
             ParamSpec(name, tuple(named[name].shape), named[name].dtype)
             for name in graph.param_names
         ]
         unused = set(graph.unused)
-        self._cost_model = group_cost_model(self.runtime.topology, self.ranks)
+        self._cost_model = group_cost_model(self.ctx.topology, self.ranks)
         alpha, beta = self._bucket_latency(self._cost_model)
         cap = self._cap_bytes or auto_bucket_cap(
             [p for p in specs if p.name not in unused], alpha_s=alpha, beta_s_per_byte=beta
@@ -138,17 +146,28 @@ class DataParallelState:
         )
         self._choices = self._choose_algorithms(buckets)
         execution = self._build_execution_plan(module, graph, buckets)
-        planned = PlannedStep(execution, (("graph", plan_dp.graph_lines(graph)),))
-        self.preflight = before_first_collective(
-            self.runtime, planned, module, verify=self.options.verify
+        setup = SetupBroadcast((*module.parameters(), *module.buffers()), self.source, self.group)
+        return PlannedStep(
+            module,
+            execution,
+            (("graph", plan_dp.graph_lines(graph)),),
+            setup,
+            PlannedBuckets(graph, buckets),
         )
-        self.graph, self.plan = graph, buckets
-        self.execution_plan, self.run_log = execution, RunLog(execution)
-        self.broadcast_state(module, "setup")
+
+    def install(self, module: nn.Module, planned: PlannedStep) -> None:
+        """Build the step ``planned`` describes (verified and set up by lamina): the
+        algorithms' groups, the reducer over the plan's buckets, the compiled forward."""
+        built = planned.inputs
+        assert isinstance(built, PlannedBuckets)
+        execution, buckets = planned.plan, built.buckets
+        self.graph, self.plan = built.graph, buckets
+        self.execution_plan, self.run_log = execution, planned.log()
+        self.preflight = planned.preflight
         self.algorithm_groups = self._algorithm_groups(execution)
         self.reducer = GradientReducer(
             buckets,
-            named,
+            dict(module.named_parameters()),
             self.group,
             self.handle,
             bucket_nodes=[plan_dp.bucket_node(b.index) for b in buckets.buckets],
@@ -162,10 +181,10 @@ class DataParallelState:
         )
         self.reducer.sync_enabled = self.sync_enabled  # planned inside no_sync(): stays off
         if self.compile_backend is not None:
+            forward = self.model_class.forward.__get__(module)  # the model's own forward
             self.compiled = CompiledForward(
                 module, forward, self.compile_backend, self.run_log, plan_dp.FORWARD
             )
-        return buckets
 
     def _build_execution_plan(
         self, module: nn.Module, graph: CapturedGraph, buckets: BucketPlan
@@ -180,7 +199,7 @@ class DataParallelState:
                 graph=graph,
                 buckets=buckets,
                 group=self.ranks,
-                backend=self.runtime.backend.name,
+                backend=self.ctx.backend.name,
                 pg_backend=self._pg_backend(),
                 setup_state=dtype_totals([*module.parameters(), *module.buffers()]),
                 step_buffers=dtype_totals(list(module.buffers())) if self.broadcast_buffers else [],

@@ -21,25 +21,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import BucketPlan
 from lamina.comm.reducer import GradientReducer
-from lamina.errors import ConfigError
 from lamina.graph import CapturedGraph
 from lamina.runtime import ExecutionPlan, RunLog
-from lamina.strategies.contract import Placement
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import Placement, PlanAndBuild, StepInputs
 from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.dp.planner import DataParallelState
 from lamina.verify import PreflightReport
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
 
 
 class DataParallelModule(nn.Module):
@@ -65,7 +61,7 @@ class DataParallelModule(nn.Module):
         if state.plan is None:
             if not torch.is_grad_enabled():  # nothing to average: run it unplanned
                 return own(*args, **kwargs)
-            state.prepare(self, own, args, kwargs)
+            state.plan_and_build(StepInputs(args, kwargs))  # lamina.distribute's sequence
         return state.run_forward(self, own, args, kwargs)
 
     @property
@@ -141,24 +137,16 @@ ALIASES = {
 
 def replicate_module(
     module: nn.Module,
-    runtime: Runtime,
-    placement: Placement | None = None,
-    options: DataParallelOptions | None = None,
+    ctx: StrategyContext,
+    placement: Placement,
+    options: DataParallelOptions,
+    plan_and_build: PlanAndBuild,
 ) -> DataParallelModule:
     """Extend ``module`` in place for data parallelism over the group ``placement``
-    replicates over (default: every mesh axis) and return it; see the module docstring.
-    With ``example_inputs`` in ``options`` the step is planned here."""
-    if not dist.is_initialized():
-        raise ConfigError(
-            "strategy 'dp' needs torch.distributed; call lamina.init() before distribute()"
-        )
-    refused = _already_distributed(module)
-    if refused:
-        raise ConfigError(refused)
-    options = options or DataParallelOptions()
-    placement = placement or Placement(replicate=runtime.mesh.axis_names)
+    replicates over and return it, unplanned (see the module docstring); its first
+    forward with gradients calls ``plan_and_build``."""
     cls = type(module)
-    state = DataParallelState(runtime, placement, options, cls)
+    state = DataParallelState(ctx, placement, options, cls, plan_and_build)
     aliases = {name: alias for name, alias in ALIASES.items() if not hasattr(module, name)}
     # the model's own name (Hugging Face writes type(model).__name__ into a saved
     # config's "architectures"); its __module__ says where the extension comes from
@@ -167,20 +155,4 @@ def replicate_module(
     module.__class__ = extended
     assert isinstance(module, DataParallelModule)
     module.__dict__["lamina_dp"] = state  # plain state: not a submodule or buffer
-    if options.example_inputs is not None or options.example_kwargs is not None:
-        own = super(DataParallelModule, module).forward
-        state.prepare(module, own, options.example_inputs or (), options.example_kwargs or {})
     return module
-
-
-def _already_distributed(module: nn.Module) -> str:
-    """'' for a plain model; the one-line refusal for one a strategy already holds."""
-    name = type(module).__name__
-    if isinstance(module, DataParallelModule):
-        return f"this {name} is already distributed with 'dp'; distribute the model once"
-    if hasattr(type(module), "execution_plan") and hasattr(type(module), "step_summary"):
-        return (
-            f"this {name} is already distributed (it has an execution_plan); distribute "
-            "the model once, with one strategy"
-        )
-    return ""

@@ -15,17 +15,20 @@ The mesh comes from the topology (``lamina.init(mesh="topology")``: ``inter`` x
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh
-from lamina.strategies.contract import Placement, Strategy, StrategyOptions, axis_names
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlannedStep,
+    StepInputs,
+    Strategy,
+    StrategyOptions,
+    axis_names,
+)
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.sharding import shard_module
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
+from lamina.strategies.zero3.sharding import build_sharded, plan_shards
 
 #: The axes HSDP replicates over and shards over by default (``inter``, ``intra``).
 REPLICATE_AXIS, SHARD_AXIS = TOPOLOGY_AXES
@@ -43,12 +46,21 @@ class HybridShardedStrategy(Strategy):
         axis_names(mesh, (REPLICATE_AXIS, SHARD_AXIS), self.name)
         return Placement(shard=(SHARD_AXIS,), replicate=(REPLICATE_AXIS,))
 
-    def wrap(
-        self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
-    ) -> nn.Module:
-        """The ZeRO-3 wrapper on ``placement``'s shard and replica groups."""
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The sharded step over ``placement``'s shard (and replica) groups."""
         assert isinstance(options, Zero3Options)
-        return shard_module(model, runtime, placement, options, strategy=self.name)
+        return plan_shards(model, ctx, placement, options, self.name)
+
+    def build(self, planned: PlannedStep) -> nn.Module:
+        """The model itself, sharded in place as the plan says."""
+        return build_sharded(planned)
 
 
 __all__ = ["HybridShardedStrategy"]

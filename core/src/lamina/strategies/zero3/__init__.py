@@ -10,18 +10,20 @@ sharded model gains), :mod:`.accounting` (memory against the ZeRO-3 formula).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from lamina.device.mesh import DeviceMesh
-from lamina.strategies.contract import Placement, Strategy, StrategyOptions
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlannedStep,
+    StepInputs,
+    Strategy,
+    StrategyOptions,
+)
 from lamina.strategies.zero3.module import ShardedModule
 from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.sharding import shard_module
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
+from lamina.strategies.zero3.sharding import build_sharded, plan_shards
 
 
 class Zero3Strategy(Strategy):
@@ -36,12 +38,21 @@ class Zero3Strategy(Strategy):
         """Shard over every mesh axis (the whole job)."""
         return Placement(shard=mesh.axis_names)
 
-    def wrap(
-        self, model: nn.Module, runtime: Runtime, placement: Placement, options: StrategyOptions
-    ) -> nn.Module:
-        """``model`` itself, sharded over ``placement.shard`` (see :func:`shard_module`)."""
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The sharded step over ``placement``'s shard (and replica) groups."""
         assert isinstance(options, Zero3Options)
-        return shard_module(model, runtime, placement, options, strategy=self.name)
+        return plan_shards(model, ctx, placement, options, self.name)
+
+    def build(self, planned: PlannedStep) -> nn.Module:
+        """The model itself, sharded in place as the plan says."""
+        return build_sharded(planned)
 
 
-__all__ = ["ShardedModule", "Zero3Options", "Zero3Strategy", "shard_module"]
+__all__ = ["ShardedModule", "Zero3Options", "Zero3Strategy", "build_sharded", "plan_shards"]

@@ -9,7 +9,6 @@ algorithms and codec; block units gather around their submodule's forward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.streams import comm_streams
 from lamina.memory.unit_config import UnitConfig
 from lamina.runtime import RunLog
+from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.zero3.engine_settings import EngineSettings
 from lamina.strategies.zero3.groups import ShardGroups
@@ -35,22 +35,19 @@ from lamina.strategies.zero3.lookup import parameter, unit_submodule
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.strategies.zero3.unit_codec import UnitCodec
 
-if TYPE_CHECKING:
-    from lamina.session import Runtime
-
 #: The torch mesh and placements that describe the shards to DTensor.
 DTensorMesh = tuple[TorchDeviceMesh, list[Placement]]
 
 
-def dtensor_mesh(runtime: Runtime, placement: MeshPlacement) -> DTensorMesh:
+def dtensor_mesh(ctx: StrategyContext, placement: MeshPlacement) -> DTensorMesh:
     """The torch mesh and placements that describe the shards to DTensor: ``Shard(0)``
     over the shard axis, ``Replicate()`` over the replica axis (HSDP); a 1-D mesh over
     the whole job when the shards span every axis of a multi-axis mesh."""
-    mesh = runtime.mesh
+    mesh = ctx.mesh
     if not placement.replicate:
         if len(mesh.axis_names) == 1:
             return mesh.torch_mesh, [Shard(0)]
-        return init_device_mesh(runtime.backend.device_type, (runtime.world_size,)), [Shard(0)]
+        return init_device_mesh(ctx.backend.device_type, (ctx.world_size,)), [Shard(0)]
     if len(placement.shard) != 1 or len(placement.replicate) != 1:
         raise ConfigError(
             f"placement {placement.describe()}: sharded parameters need one shard axis and "
@@ -79,7 +76,7 @@ def algorithm_groups(
 
 def build_engine(
     module: nn.Module,
-    runtime: Runtime,
+    ctx: StrategyContext,
     layout: ShardLayout,
     groups: ShardGroups,
     options: Zero3Options,
@@ -141,7 +138,7 @@ def build_engine(
         )
     device = next((u.shard.device for u in units), torch.device("cpu"))
     engine = Zero3Engine(
-        units, module, options.reshard_after_forward, comm_streams(runtime.handle, device)
+        units, module, options.reshard_after_forward, comm_streams(ctx.handle, device)
     )
     engine.observer = run_log
     return engine

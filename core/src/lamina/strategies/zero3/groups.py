@@ -7,16 +7,13 @@ axes (HSDP); the plan names the same groups by their global ranks and mesh axes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from lamina.errors import ConfigError
+from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.zero3 import plan as plan_z3
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
 
 
 @dataclass(frozen=True)
@@ -40,15 +37,15 @@ class ShardGroups:
         return len(self.shard_ranks)
 
 
-def shard_groups(runtime: Runtime, placement: MeshPlacement, strategy: str) -> ShardGroups:
-    """This rank's shard and replica groups for ``placement`` on ``runtime``'s mesh
+def shard_groups(ctx: StrategyContext, placement: MeshPlacement, strategy: str) -> ShardGroups:
+    """This rank's shard and replica groups for ``placement`` on ``ctx``'s mesh
     (ConfigError when it shards over no axis)."""
     if not placement.shard:
         raise ConfigError(
             f"strategy {strategy!r} shards over no mesh axis (placement "
             f"{placement.describe()}); name at least one axis in shard=, or use 'dp'"
         )
-    mesh = runtime.mesh
+    mesh = ctx.mesh
     group, shard_ranks = mesh.group_over(placement.shard)
     replicate_group: dist.ProcessGroup | None = None
     replicas: tuple[int, ...] = ()
@@ -65,7 +62,7 @@ def shard_groups(runtime: Runtime, placement: MeshPlacement, strategy: str) -> S
             shard_axis=mesh.axes_label(placement.shard),
             replicate=replicas,
             replicate_axis=mesh.axes_label(placement.replicate) if replicas else "",
-            everyone=tuple(range(runtime.world_size)),
+            everyone=tuple(range(ctx.world_size)),
             everyone_axis=mesh.axes_label(mesh.axis_names),
         ),
     )

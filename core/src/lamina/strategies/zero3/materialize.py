@@ -65,7 +65,7 @@ def move_shards(module: ShardedModule, fn: Convert, apply_rest: Callable[[], obj
     strategy = sharding.execution_plan.strategy
     moved = [unit for unit in engine.units if _move_unit(unit, fn, strategy)]
     if moved:
-        engine.streams = comm_streams(sharding.runtime.handle, moved[0].shard.device)
+        engine.streams = comm_streams(sharding.ctx.handle, moved[0].shard.device)
         register_shards(engine.units)
     sharding.on_meta = on_meta(module)
 

@@ -2,14 +2,14 @@
 methods its class gains, and :class:`Sharding`, what it carries besides its parameters.
 
 The model's class is extended by :class:`ShardedModule`, not wrapped, so ``isinstance``
-and every attribute of the model still hold; :func:`~.sharding.shard_module` builds it.
+and every attribute of the model still hold; :func:`~.sharding.build_sharded` builds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from lamina.errors import ConfigError
 from lamina.memory import ShardLayout
 from lamina.memory.engine import UnitState, Zero3Engine
 from lamina.runtime import ExecutionPlan, RunLog
+from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
 from lamina.strategies.zero3.full_params import full_parameters_forward, summon_full_parameters
@@ -28,16 +29,13 @@ from lamina.strategies.zero3.load_full import sharded_state
 from lamina.strategies.zero3.materialize import move_shards
 from lamina.verify import PreflightReport
 
-if TYPE_CHECKING:
-    from lamina.session import Runtime
-
 
 class Sharding:
     """What a sharded model carries besides its parameters (``model.lamina_sharding``)."""
 
     def __init__(
         self,
-        runtime: Runtime,
+        ctx: StrategyContext,
         placement: MeshPlacement,
         layout: ShardLayout,
         execution_plan: ExecutionPlan,
@@ -46,7 +44,7 @@ class Sharding:
         group: dist.ProcessGroup | None,
         param_dtype: torch.dtype | None,
     ) -> None:
-        self.runtime = runtime
+        self.ctx = ctx
         self.placement = placement
         self.layout = layout
         self.execution_plan = execution_plan

@@ -10,7 +10,6 @@ collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,14 +23,12 @@ from lamina.runtime import ExecutionPlan
 from lamina.runtime.primitives import PrimitiveChoice, choose_primitive, disabled_from_env
 from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
 from lamina.strategies.coalesced import dtype_totals
+from lamina.strategies.context import StrategyContext
 from lamina.strategies.zero3 import plan as plan_z3
 from lamina.strategies.zero3.groups import ShardGroups
 from lamina.strategies.zero3.lookup import parameter, unit_submodule
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.strategies.zero3.unit_codec import sharded_codec
-
-if TYPE_CHECKING:
-    from lamina.session import Runtime
 
 
 @dataclass(frozen=True)
@@ -48,14 +45,14 @@ class PlannedSharding:
 def plan_sharding(
     module: nn.Module,
     layout: ShardLayout,
-    runtime: Runtime,
+    ctx: StrategyContext,
     groups: ShardGroups,
     options: Zero3Options,
     strategy: str,
 ) -> PlannedSharding:
     """The plan of ``module``'s sharded step over ``groups``, with ``layout``'s units."""
-    codec = sharded_codec(options.codec, runtime.kernels)
-    cost_model = group_cost_model(runtime.topology, groups.shard_ranks)
+    codec = sharded_codec(options.codec, ctx.kernels)
+    cost_model = group_cost_model(ctx.topology, groups.shard_ranks)
     choices = choose_algorithms(
         cost_model,
         {unit.name: unit.total_numel * unit.element_size for unit in layout.units},
@@ -69,9 +66,7 @@ def plan_sharding(
     if codec is not None and not groups.replicas:
         choices = {}  # ZeRO-3's fp8 reduce-scatter runs over the flat shard group
     described = cost_model.describe() if cost_model is not None and choices else ""
-    plan = _build_plan(
-        module, layout, runtime, groups, options, strategy, choices, described, codec
-    )
+    plan = _build_plan(module, layout, ctx, groups, options, strategy, choices, described, codec)
     return PlannedSharding(plan, cost_model, codec)
 
 
@@ -85,7 +80,7 @@ def setup_tensors(module: nn.Module) -> list[torch.Tensor]:
 def _build_plan(
     module: nn.Module,
     layout: ShardLayout,
-    runtime: Runtime,
+    ctx: StrategyContext,
     groups: ShardGroups,
     options: Zero3Options,
     strategy: str,
@@ -94,7 +89,7 @@ def _build_plan(
     codec: TwoPhaseCodec | None = None,
 ) -> ExecutionPlan:
     pg_backend = str(dist.get_backend(groups.group))
-    unsupported = runtime.backend.unsupported_collectives
+    unsupported = ctx.backend.unsupported_collectives
     disabled = {*options.disable_collectives, *disabled_from_env()}
 
     def choice(op: str) -> PrimitiveChoice:
@@ -119,7 +114,7 @@ def _build_plan(
             forward_order=order,
             whole_forward=whole,
             groups=groups.plan,
-            backend=runtime.backend.name,
+            backend=ctx.backend.name,
             pg_backend=pg_backend,
             gather=choice("all_gather"),
             scatter=choice("reduce_scatter"),

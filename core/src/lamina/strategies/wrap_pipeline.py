@@ -1,0 +1,95 @@
+"""The one sequence every strategy goes through: :func:`distribute_with`.
+
+1. The model is checked: torch.distributed runs, and no strategy holds the model yet.
+2. :meth:`~lamina.strategies.contract.Strategy.prepare` returns the model as it runs
+   before its plan exists (no collective; most strategies: the model itself). Then
+   :meth:`~lamina.strategies.contract.Strategy.plan` plans the step (no collective), at
+   once or, for a strategy that
+   :meth:`~lamina.strategies.contract.Strategy.plans_at_first_forward`, at that forward
+   from its inputs (steps 2-5 run there).
+3. ``lamina plan`` / ``lamina verify`` stop here (:mod:`lamina.strategies.preflight`),
+   else every rank verifies the plan against the others (unless ``verify=False``).
+4. The plan's setup broadcast runs, recorded in the step's run log.
+5. :meth:`~lamina.strategies.contract.Strategy.build` returns the distributed model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch import nn
+
+from lamina.errors import ConfigError
+from lamina.runtime import RunLog
+from lamina.strategies.coalesced import run_broadcast_nodes
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlannedStep,
+    StepInputs,
+    Strategy,
+    StrategyOptions,
+)
+from lamina.strategies.preflight import before_first_collective
+
+if TYPE_CHECKING:
+    from lamina.session import Runtime
+
+#: Set on every distributed model (its ``__dict__``): the strategy's name.
+DISTRIBUTED_WITH = "lamina_distributed_with"
+
+
+def distribute_with(
+    strategy: Strategy,
+    model: nn.Module,
+    session: Runtime,
+    placement: Placement,
+    options: StrategyOptions,
+) -> nn.Module:
+    """``model`` distributed with ``strategy`` (see the module docstring)."""
+    _check_distributable(model, strategy.name)
+    ctx = StrategyContext.of(session)
+
+    prepared = model
+
+    def plan_and_build(inputs: StepInputs | None) -> nn.Module:
+        planned = strategy.plan(prepared, ctx, placement, options, inputs)
+        built = strategy.build(set_up(session, planned, verify=options.verify))
+        built.__dict__[DISTRIBUTED_WITH] = strategy.name
+        return built
+
+    prepared = strategy.prepare(model, ctx, placement, options, plan_and_build)
+    prepared.__dict__[DISTRIBUTED_WITH] = strategy.name
+    if strategy.plans_at_first_forward(options):
+        return prepared
+    return plan_and_build(None)
+
+
+def set_up(session: Runtime, planned: PlannedStep, *, verify: bool) -> PlannedStep:
+    """``planned`` after stop-or-verify and the setup broadcast, with its pre-flight
+    report and run log filled in."""
+    report = before_first_collective(session, planned, planned.module, verify=verify)
+    log = RunLog(planned.plan)
+    setup = planned.broadcast
+    if setup is not None:
+        run_broadcast_nodes(log, "setup", setup.tensors, setup.source, setup.group)
+    return replace(planned, preflight=report, run_log=log)
+
+
+def _check_distributable(model: nn.Module, strategy: str) -> None:
+    """ConfigError unless torch.distributed runs and no strategy holds ``model`` yet."""
+    if not dist.is_initialized():
+        raise ConfigError(
+            f"strategy {strategy!r} needs torch.distributed; call lamina.init() before distribute()"
+        )
+    name = type(model).__name__
+    held = model.__dict__.get(DISTRIBUTED_WITH)
+    if held is None and all(hasattr(type(model), a) for a in ("execution_plan", "step_summary")):
+        held = getattr(getattr(model, "execution_plan", None), "strategy", "another strategy")
+    if held is not None:
+        raise ConfigError(
+            f"this {name} is already distributed with {held!r}; distribute the model once, "
+            "with one strategy"
+        )
