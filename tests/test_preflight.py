@@ -45,6 +45,7 @@ CASES = (
     ("mesh", "dp"),
     ("world", "dp"),
     ("wider", "zero3"),
+    ("order", "zero3"),  # last: its check fails inside the first forward
 )
 Results = dict[str, list[dict[str, Any]]]
 
@@ -52,6 +53,23 @@ Results = dict[str, list[dict[str, Any]]]
 def _model(width: int, dtype: torch.dtype, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4)).to(dtype)
+
+
+class _Blocks(nn.Module):
+    """Two blocks of one size, called first to last, or last to first (``backwards``): the
+    gathers still pair up across the ranks (two of one size each), so the forward ends and
+    the check of its recorded order names the difference. (Where they do not pair up, the
+    gathers themselves diverge first: the trace watchdog's case.)"""
+
+    def __init__(self, backwards: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.backwards = backwards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks) if self.backwards else self.blocks:
+            x = block(x)
+        return x
 
 
 def _case(kind: str, strategy: str, rank: int, topology: str | None = None) -> dict[str, Any]:
@@ -68,7 +86,7 @@ def _case(kind: str, strategy: str, rank: int, topology: str | None = None) -> d
         return result
     width = 48 if kind == "wider" and odd else 32
     dtype = torch.float64 if kind == "dtype" and odd else torch.float32
-    model = _model(width, dtype, seed=rank)
+    model = _Blocks(backwards=odd) if kind == "order" else _model(width, dtype, seed=rank)
     options: dict[str, Any] = {}
     if strategy == "dp":
         options["example_inputs"] = (torch.randn(8, 16, dtype=dtype),)
@@ -81,6 +99,8 @@ def _case(kind: str, strategy: str, rank: int, topology: str | None = None) -> d
         options["verify"] = not odd
     try:
         wrapped = lamina.distribute(model, strategy, **options)
+        if kind == "order":  # the units' order is recorded, and checked, at this forward
+            wrapped(torch.randn(2, 8)).sum().backward()
     except VerificationError as exc:
         result.update(outcome="verification", message=str(exc))
     except Exception as exc:  # the rank that skipped verification loses its peer
@@ -192,6 +212,15 @@ def _never_verifies_job() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.timeout(360)
+def test_zero3_units_entered_in_another_order_are_named_at_the_first_forward(
+    cases: Results,
+) -> None:
+    """The plan the first forward fills in (its unit order) is verified like the rest:
+    rank 1's forward calls the blocks last to first (sizes alike: the gathers pair up)."""
+    _assert_every_rank_reports(cases["order/zero3"], "plan")
+
+
 def test_rank_that_never_verifies_is_named() -> None:
     """Rank 1 skips verification and goes straight to its first collective: rank 0 names it
     after the timeout instead of pairing its verification with rank 1's broadcast."""

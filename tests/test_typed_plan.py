@@ -13,11 +13,13 @@ import itertools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import lamina
 from lamina.comm.buckets import ParamSpec, plan_buckets
 from lamina.comm.cost import AlgorithmChoice
 from lamina.errors import ConfigError
@@ -38,7 +40,7 @@ from lamina.runtime import (
 from lamina.runtime.primitives import choose_primitive
 from lamina.simulate import cluster_from_dict, predict
 from lamina.strategies.codec_registry import resolve_codec
-from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, build_dp_plan
+from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, bucket_plan_of, build_dp_plan
 from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
 
 pytestmark = pytest.mark.portable
@@ -60,28 +62,37 @@ def _mlp() -> nn.Module:
 
 
 def _dp_plan(codec: str | None = "fp8") -> ExecutionPlan:
+    return build_dp_plan(_dp_inputs(codec))
+
+
+def _dp_inputs(codec: str | None = "fp8") -> DPPlanInputs:
     model = _mlp()
+    model.register_parameter("unused", nn.Parameter(torch.zeros(3, 2)))  # not in the forward
     graph = capture(model, (torch.randn(2, 16),))
     named = dict(model.named_parameters())
     specs = [ParamSpec(n, tuple(named[n].shape), named[n].dtype) for n in graph.param_names]
-    buckets = plan_buckets(specs, graph.grad_ready_order(), cap_bytes=4096, first_bucket_bytes=4096)
+    buckets = plan_buckets(
+        specs,
+        graph.grad_ready_order(),
+        cap_bytes=4096,
+        first_bucket_bytes=4096,
+        unused=graph.unused,
+    )
     choice = AlgorithmChoice(
         "pipelined", 4, (("flat", 2e-3), ("hierarchical", 1.5e-3), ("pipelined", 1e-3))
     )
-    return build_dp_plan(
-        DPPlanInputs(
-            graph=graph,
-            buckets=buckets,
-            group=(0, 1, 2, 3),
-            backend="cpu",
-            pg_backend="gloo",
-            setup_state=[("float32", sum(p.numel() for p in model.parameters()))],
-            step_buffers=[],
-            codec=resolve_codec(codec),
-            codec_checks={"float32": ""},
-            algorithms={0: choice},
-            ranks_per_host=2,
-        )
+    return DPPlanInputs(
+        graph=graph,
+        buckets=buckets,
+        group=(0, 1, 2, 3),
+        backend="cpu",
+        pg_backend="gloo",
+        setup_state=[("float32", sum(p.numel() for p in model.parameters()))],
+        step_buffers=[],
+        codec=resolve_codec(codec),
+        codec_checks={"float32": ""},
+        algorithms={0: choice},
+        ranks_per_host=2,
     )
 
 
@@ -163,6 +174,65 @@ def test_dp_buckets_carry_their_algorithm_and_codec_as_types() -> None:
     assert forward is not None and forward.mode == "eager" and forward.capture in CAPTURE_METHODS
     plain = _dp_plan(codec=None).node(bucket_node(1))
     assert plain.codec is None and plain.algorithm is None  # flat, uncompressed
+
+
+def test_the_reducer_runs_the_buckets_the_printed_plan_holds() -> None:
+    inputs = _dp_inputs()
+    planned = inputs.buckets
+    assert planned.excluded == ("unused",) and len(planned.buckets) > 1
+    plan = build_dp_plan(inputs)
+    # read from the plan's typed nodes, also from its JSON: the same buckets and slots
+    assert bucket_plan_of(plan, planned) == planned
+    assert bucket_plan_of(_round_trip(plan), planned) == planned
+    # a plan whose first bucket holds other slots runs those, not the planner's
+    first = plan.node(bucket_node(0))
+    detail = first.facts(Collective)
+    assert detail is not None and len(detail.slots) > 1
+    swapped = dataclasses.replace(detail, slots=(detail.slots[-1], *detail.slots[:-1]))
+    edited = plan.with_nodes(
+        tuple(dataclasses.replace(n, detail=swapped) if n is first else n for n in plan.nodes)
+    )
+    run = bucket_plan_of(edited, planned).buckets[0]
+    assert run.param_names[0] == detail.slots[-1].name != planned.buckets[0].param_names[0]
+
+
+class _BlocksCalledBackwards(nn.Module):
+    """Three blocks the forward calls last to first: not the order the layout lists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self.blocks):
+            x = block(x)
+        return x
+
+
+def _forward_units(plan: ExecutionPlan) -> list[str]:
+    return [
+        g.unit for n in plan.nodes if (g := n.facts(Gather)) is not None and g.span != "backward"
+    ]
+
+
+def test_the_first_forward_records_its_unit_order_into_the_plan_the_simulator_reads() -> None:
+    lamina.init()
+    model: Any = lamina.distribute(_BlocksCalledBackwards(), "zero3", min_unit_numel=1)
+    planned = model.execution_plan
+    assert _forward_units(planned) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert dict(planned.meta)["forward_order"] == "planned"
+    assert model.lamina_engine.planned_order == model.lamina_engine.units  # the plan's
+    model(torch.randn(2, 8)).sum().backward()
+    recorded = model.execution_plan
+    assert _forward_units(recorded) == ["blocks.2", "blocks.1", "blocks.0"]
+    assert dict(recorded.meta)["forward_order"] == "recorded at step 1"
+    assert model.run_log.plan is recorded  # what the run log and lamina plan show
+    assert {n.id for n in recorded.nodes} == {n.id for n in planned.nodes}
+    cluster = cluster_from_dict(CLUSTER, "cluster.json")
+    gathers = [c.node for c in predict(recorded, cluster).per_step if c.op == "all_gather"]
+    assert gathers[0] == "blocks.2.gather.fwd"
+    model(torch.randn(2, 8)).sum().backward()  # recorded once: the plan stays
+    assert model.execution_plan is recorded
 
 
 def test_hsdp_nodes_name_their_unit_span_and_replica_codec() -> None:

@@ -21,7 +21,7 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +151,11 @@ class Zero3Engine:
         self.reshard_after_forward = reshard_after_forward
         self.streams = streams
         self._by_storage: dict[int, UnitState] = {}
+        #: The plan's forward order: the prefetch order until the first forward records
+        #: its own (``set_planned_order``).
+        self.planned_order: list[UnitState] = list(units)
+        #: Told the unit names of the first forward, in the order it entered them.
+        self.on_order_recorded: Callable[[tuple[str, ...]], None] | None = None
         self._forward_order: list[UnitState] = []
         self._recording = True
         #: id(order list) -> (its length, id(unit) -> first position): see _position
@@ -282,17 +287,28 @@ class Zero3Engine:
             unit.reduce.pending_grads = None
         self._held_frozen.clear()
 
+    def set_planned_order(self, names: Sequence[str]) -> None:
+        """Prefetch in the plan's order of unit ``names`` until the first forward records."""
+        by_name = {unit.layout.name: unit for unit in self.units}
+        self.planned_order = [by_name[name] for name in names]
+
     def finish_forward(self) -> None:
-        """The first forward fixed the unit order used for prefetching."""
+        """The first forward fixed the unit order used for prefetching; the observer
+        (``on_order_recorded``) is told it once."""
+        if not self._recording:
+            return
         self._recording = False
+        if self.on_order_recorded is not None and self._forward_order:
+            seen = dict.fromkeys(unit.layout.name for unit in self._forward_order)
+            self.on_order_recorded(tuple(seen))
 
     def _next_after(self, unit: UnitState) -> UnitState | None:
-        order = self._forward_order if not self._recording else self.units
+        order = self._forward_order if not self._recording else self.planned_order
         k = self._position(order, unit)
         return order[k + 1] if k is not None and k + 1 < len(order) else None
 
     def _previous_of(self, unit: UnitState) -> UnitState | None:
-        order = self._forward_order or self.units
+        order = self._forward_order or self.planned_order
         k = self._position(order, unit)
         return order[k - 1] if k is not None and k > 0 else None
 
@@ -334,7 +350,7 @@ class Zero3Engine:
         for their part of backward, are done (one needed again is gathered again)."""
         if not self._held_frozen or unit.config.keep_for_backward:
             return  # a unit kept for backward (the root) is read all through it
-        order = self._forward_order or self.units
+        order = self._forward_order or self.planned_order
         here = self._position(order, unit)
         if here is None:
             return

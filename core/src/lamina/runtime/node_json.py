@@ -20,14 +20,15 @@ from lamina.runtime.nodes import (
     Free,
     Gather,
     NodeDetail,
+    Slot,
     Transfer,
 )
 
 
 def detail_to_dict(detail: NodeDetail) -> dict[str, Any]:
-    """``detail``'s fields, absent facts (None) left out, so that a plan's JSON shows what
-    each node has."""
-    return {k: v for k, v in asdict(detail).items() if v is not None}
+    """``detail``'s fields, absent facts (None, no slots) left out, so that a plan's JSON
+    shows what each node has."""
+    return {k: v for k, v in asdict(detail).items() if v is not None and v != ()}
 
 
 def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
@@ -51,6 +52,7 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
             algorithm=_algorithm(data.get("algorithm")),
             codec=_codec(data.get("codec")),
             source=_optional_int(data.get("source")),
+            slots=tuple(_slot(d) for d in data.get("slots", ())),
         )
     if detail_type is Gather:
         return Gather(
@@ -99,6 +101,10 @@ def _codec(data: dict[str, Any] | None) -> CodecFact | None:
         bool(data.get("error_feedback", False)),
         int(data.get("residual_bytes", 0)),
     )
+
+
+def _slot(data: dict[str, Any]) -> Slot:
+    return Slot(str(data["name"]), tuple(int(d) for d in data["shape"]), int(data["offset"]))
 
 
 def _optional_int(value: Any) -> int | None:

@@ -61,6 +61,25 @@ class CodecFact:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Where one parameter's gradient lives in a collective's flat buffer: ``name``,
+    ``shape`` and the element ``offset`` (a DP bucket's slots are what its reducer
+    allocates; the unused-gradient all-reduce's are its parameters, packed)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
 class Compute:
     """A forward, backward or optimizer node: of ``unit`` (``""``: the whole model), of a
     pipeline ``stage`` and ``microbatch`` where they apply. A forward records how its
@@ -81,7 +100,8 @@ class Collective:
     it runs with, and its codec (None: uncompressed).
 
     ``bucket`` is the DP bucket index, ``unit`` the ZeRO-3 unit, ``params`` how many
-    parameters' gradients it carries, ``source`` a broadcast's root rank.
+    parameters' gradients it carries and ``slots`` where each lies in the flat buffer (DP:
+    the reducer's buckets are built from them), ``source`` a broadcast's root rank.
     """
 
     purpose: CollectivePurpose
@@ -92,6 +112,7 @@ class Collective:
     algorithm: AlgorithmFact | None = None
     codec: CodecFact | None = None
     source: int | None = None
+    slots: tuple[Slot, ...] = ()
 
 
 @dataclass(frozen=True)

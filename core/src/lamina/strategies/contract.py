@@ -150,8 +150,12 @@ class PlannedStep:
     added to this rank's pre-flight manifest (the captured graph, the shards),
     ``broadcast`` the setup broadcast to run (None: none), ``inputs`` what the strategy's
     :meth:`Strategy.build` needs beyond the plan (its own type, opaque to lamina).
-    :func:`lamina.distribute` fills ``preflight`` (None when verification is off) and
-    ``run_log`` (the step's log, holding the setup broadcast) before calling ``build``.
+    :func:`lamina.distribute` fills ``preflight`` (None when verification is off),
+    ``run_log`` (the step's log, holding the setup broadcast) and ``verify_again`` before
+    calling ``build``: where run-time facts fill the plan (ZeRO-3's unit order at the
+    first forward), the strategy passes the filled plan to ``verify_again`` at a point
+    every rank reaches, and every rank checks it against the others as pre-flight did
+    (None when verification is off).
     """
 
     module: nn.Module
@@ -161,6 +165,7 @@ class PlannedStep:
     inputs: Any = None
     preflight: PreflightReport | None = None
     run_log: RunLog | None = None
+    verify_again: Callable[[ExecutionPlan], PreflightReport] | None = None
 
     def log(self) -> RunLog:
         """The run log lamina made for this plan (a RuntimeError before it did)."""

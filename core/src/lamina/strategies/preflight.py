@@ -57,10 +57,16 @@ def before_first_collective(
         raise StopBeforeFirstCollective(planned.plan)
     if not (verify or _STOP == "verify"):
         return None
-    report = preflight(manifest_of(runtime, planned, module), group=runtime.control_group)
+    report = verify_plan(runtime, planned, module)
     if _STOP == "verify":
         raise StopBeforeFirstCollective(planned.plan, report)
     return report
+
+
+def verify_plan(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> PreflightReport:
+    """Every rank's manifest of ``planned`` compared with the others' (collective over the
+    control group); a VerificationError naming what differs."""
+    return preflight(manifest_of(runtime, planned, module), group=runtime.control_group)
 
 
 def manifest_of(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> Manifest:

@@ -10,7 +10,9 @@
 3. ``lamina plan`` / ``lamina verify`` stop here (:mod:`lamina.strategies.preflight`),
    else every rank verifies the plan against the others (unless ``verify=False``).
 4. The plan's setup broadcast runs, recorded in the step's run log.
-5. :meth:`~lamina.strategies.contract.Strategy.build` returns the distributed model.
+5. :meth:`~lamina.strategies.contract.Strategy.build` returns the distributed model,
+   given (with verification on) the means to verify again a plan that run-time facts
+   fill in later (``PlannedStep.verify_again``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lamina.errors import ConfigError
-from lamina.runtime import RunLog
+from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.coalesced import run_broadcast_nodes
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
@@ -32,7 +34,8 @@ from lamina.strategies.contract import (
     Strategy,
     StrategyOptions,
 )
-from lamina.strategies.preflight import before_first_collective
+from lamina.strategies.preflight import before_first_collective, verify_plan
+from lamina.verify import PreflightReport
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
@@ -75,7 +78,12 @@ def set_up(session: Runtime, planned: PlannedStep, *, verify: bool) -> PlannedSt
     setup = planned.broadcast
     if setup is not None:
         run_broadcast_nodes(log, "setup", setup.tensors, setup.source, setup.group)
-    return replace(planned, preflight=report, run_log=log)
+
+    def verify_again(filled: ExecutionPlan) -> PreflightReport:
+        return verify_plan(session, replace(planned, plan=filled), planned.module)
+
+    again = verify_again if verify else None
+    return replace(planned, preflight=report, run_log=log, verify_again=again)
 
 
 def _check_distributable(model: nn.Module, strategy: str) -> None:

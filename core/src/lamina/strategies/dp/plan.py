@@ -5,16 +5,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from lamina.comm.buckets import BucketPlan
+from lamina.comm.buckets import Bucket, BucketPlan, BucketSlot
 from lamina.comm.codecs import Codec, TwoPhaseCodec
 from lamina.comm.cost import AlgorithmChoice
 from lamina.comm.reducer import stray_dtype
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.graph import CAPTURE_METHODS, CapturedGraph
 from lamina.runtime.broadcasts import broadcast_nodes
-from lamina.runtime.nodes import CodecFact, Collective, Compute
+from lamina.runtime.nodes import CodecFact, Collective, Compute, Slot
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, meta_items
 from lamina.strategies.algorithm_nodes import (
     algorithm_fact,
@@ -167,6 +167,7 @@ def _bucket_nodes(inputs: DPPlanInputs) -> tuple[list[PlanNode], list[Fallback]]
                     params=len(names),
                     algorithm=algorithm_fact(choice),
                     codec=_codec_fact(inputs, bucket.numel, wire),
+                    slots=tuple(Slot(s.name, s.shape, s.offset) for s in bucket.slots),
                 ),
                 spec,
             )
@@ -260,7 +261,7 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
         "backward",
         f"all-reduce of the gradients of {len(excluded)} parameter(s) unused in the captured "
         "forward, with one used-flag each (every step: any rank may have used them)",
-        Collective("unused", params=len(excluded)),
+        Collective("unused", params=len(excluded), slots=_packed(inputs, excluded)),
         CollectiveSpec(
             "all_reduce",
             dtype,
@@ -269,6 +270,43 @@ def _excluded_node(inputs: DPPlanInputs) -> PlanNode:
             inputs.group,
             axis=inputs.axis,
         ),
+    )
+
+
+def _packed(inputs: DPPlanInputs, names: Sequence[str]) -> tuple[Slot, ...]:
+    """``names`` packed one after another (the unused gradients' flat buffer)."""
+    slots, offset = [], 0
+    for name in names:
+        shape = tuple(inputs.graph.param_shapes[name])
+        slots.append(Slot(name, shape, offset))
+        offset += math.prod(shape)
+    return tuple(slots)
+
+
+def bucket_plan_of(plan: ExecutionPlan, planned: BucketPlan) -> BucketPlan:
+    """The buckets the reducer runs, read from ``plan``'s gradient nodes (their slots,
+    dtype, padded size and op) and its unused-gradient node; ``planned`` gives only the
+    parameters the planner chose them with (cap, alignment) and its notes. With one rank
+    the plan has no collective: ``planned`` then (its buckets only lay the gradients out
+    in memory)."""
+    if plan.world_size == 1:
+        return planned
+    buckets: list[Bucket] = []
+    excluded: tuple[str, ...] = ()
+    for node in plan.collectives():
+        detail, spec = node.detail, node.collective
+        if not isinstance(detail, Collective) or spec is None:
+            continue
+        if detail.purpose == "unused":
+            excluded = tuple(s.name for s in detail.slots)
+        elif detail.purpose == "gradient" and detail.bucket is not None:
+            slots = tuple(BucketSlot(s.name, s.shape, s.offset, s.numel) for s in detail.slots)
+            buckets.append(
+                Bucket(detail.bucket, spec.dtype, slots, spec.numel, spec.element_size, spec.op)
+            )
+    # the planner's parameters (cap, alignment) and notes describe how it chose them
+    return replace(
+        planned, buckets=tuple(sorted(buckets, key=lambda b: b.index)), excluded=excluded
     )
 
 

@@ -160,8 +160,9 @@ class DataParallelState:
         algorithms' groups, the reducer over the plan's buckets, the compiled forward."""
         built = planned.inputs
         assert isinstance(built, PlannedBuckets)
-        execution, buckets = planned.plan, built.buckets
-        self.graph, self.plan = built.graph, buckets
+        execution = planned.plan
+        self.graph, self.plan = built.graph, built.buckets
+        buckets = plan_dp.bucket_plan_of(execution, built.buckets)  # what runs: the plan's
         self.execution_plan, self.run_log = execution, planned.log()
         self.preflight = planned.preflight
         self.algorithm_groups = self._algorithm_groups(execution)
@@ -277,7 +278,7 @@ class DataParallelState:
     def _bucket_algorithms(self, execution: ExecutionPlan) -> dict[int, tuple[str, int]]:
         """The algorithm and chunk count the plan gives each bucket."""
         out = {}
-        for b in self.plan.buckets if self.plan is not None else ():
+        for b in plan_dp.bucket_plan_of(execution, self.plan).buckets if self.plan else ():
             if execution.world_size == 1:
                 continue
             algorithm = execution.node(plan_dp.bucket_node(b.index)).algorithm
@@ -304,7 +305,7 @@ class DataParallelState:
             return {}
         return {
             b.index: self.codec
-            for b in (self.plan.buckets if self.plan is not None else ())
+            for b in (plan_dp.bucket_plan_of(execution, self.plan).buckets if self.plan else ())
             if execution.node(plan_dp.bucket_node(b.index)).codec is not None
         }
 

@@ -69,6 +69,9 @@ class EngineSettings:
     codec_role: str
     #: The ids of the plan's nodes.
     node_ids: frozenset[str]
+    #: Units in the plan's forward order (its forward gathers'): the engine prefetches
+    #: in this order until the first forward has recorded its own.
+    forward_order: tuple[str, ...] = ()
 
     def unit_nodes(self, unit: str) -> dict[str, str]:
         """The plan's node ids of ``unit``'s collectives, by the engine's name for them."""
@@ -92,4 +95,12 @@ def engine_settings(plan: ExecutionPlan) -> EngineSettings:
         hierarchical=hierarchical_units(plan),
         codec_role=codec_role_of(plan),
         node_ids=frozenset(n.id for n in plan.nodes),
+        forward_order=forward_order(plan),
+    )
+
+
+def forward_order(plan: ExecutionPlan) -> tuple[str, ...]:
+    """The units of the plan's forward gathers, in plan order."""
+    return tuple(
+        g.unit for n in plan.nodes if (g := n.facts(Gather)) is not None and g.span != "backward"
     )

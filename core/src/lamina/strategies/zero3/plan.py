@@ -90,6 +90,9 @@ class Zero3PlanInputs:
     #: forward, and again for backward where activations need their weights, but never
     #: reduce-scattered (no gradient, no optimizer step).
     frozen_units: frozenset[str] = frozenset()
+    #: Where ``forward_order`` comes from: ``planned`` (whole-forward units, then the
+    #: layout's order) or ``recorded at step 1`` (the first forward's, filled in then).
+    order_source: str = "planned"
 
     def codec_role(self) -> str:
         """Which gradient collective the codec compresses ('' without one)."""
@@ -297,6 +300,7 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
             reshard_after_forward=inputs.reshard_after_forward,
             kept_for_backward=",".join(sorted(inputs.kept_for_backward)) or "none",
             units=len(order),
+            forward_order=inputs.order_source,
             shard_axis=groups.shard_axis,
             replicate_axis=groups.replicate_axis or "none",
             **({"cost_model": inputs.cost_model} if inputs.cost_model else {}),

@@ -40,6 +40,8 @@ class PlannedSharding:
     cost_model: CostModel | None
     #: The gradient codec (None: uncompressed).
     codec: TwoPhaseCodec | None
+    #: What the plan was built from (rebuilt with the order the first forward records).
+    inputs: plan_z3.Zero3PlanInputs
 
 
 def plan_sharding(
@@ -66,8 +68,8 @@ def plan_sharding(
     if codec is not None and not groups.replicas:
         choices = {}  # ZeRO-3's fp8 reduce-scatter runs over the flat shard group
     described = cost_model.describe() if cost_model is not None and choices else ""
-    plan = _build_plan(module, layout, ctx, groups, options, strategy, choices, described, codec)
-    return PlannedSharding(plan, cost_model, codec)
+    inputs = _plan_inputs(module, layout, ctx, groups, options, strategy, choices, described, codec)
+    return PlannedSharding(plan_z3.build_zero3_plan(inputs), cost_model, codec, inputs)
 
 
 def setup_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -77,7 +79,7 @@ def setup_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
 
 
-def _build_plan(
+def _plan_inputs(
     module: nn.Module,
     layout: ShardLayout,
     ctx: StrategyContext,
@@ -87,7 +89,7 @@ def _build_plan(
     algorithms: dict[str, AlgorithmChoice],
     cost_model: str,
     codec: TwoPhaseCodec | None = None,
-) -> ExecutionPlan:
+) -> plan_z3.Zero3PlanInputs:
     pg_backend = str(dist.get_backend(groups.group))
     unsupported = ctx.backend.unsupported_collectives
     disabled = {*options.disable_collectives, *disabled_from_env()}
@@ -108,26 +110,24 @@ def _build_plan(
     param_dtype = options.param_dtype
     # backward starts with the last unit, and needs the whole-forward ones until its end
     kept = whole | {order[-1]} if order and options.reshard_after_forward else frozenset()
-    return plan_z3.build_zero3_plan(
-        plan_z3.Zero3PlanInputs(
-            layout=layout,
-            forward_order=order,
-            whole_forward=whole,
-            groups=groups.plan,
-            backend=ctx.backend.name,
-            pg_backend=pg_backend,
-            gather=choice("all_gather"),
-            scatter=choice("reduce_scatter"),
-            setup_state=dtype_totals(setup_tensors(module)),
-            compute_dtype=dtype_name(param_dtype) if param_dtype else None,
-            reshard_after_forward=options.reshard_after_forward,
-            strategy=strategy,
-            kept_for_backward=kept,
-            algorithms=algorithms,
-            cost_model=cost_model,
-            codec=codec,
-            frozen_units=_frozen_units(module, layout),
-        )
+    return plan_z3.Zero3PlanInputs(
+        layout=layout,
+        forward_order=order,
+        whole_forward=whole,
+        groups=groups.plan,
+        backend=ctx.backend.name,
+        pg_backend=pg_backend,
+        gather=choice("all_gather"),
+        scatter=choice("reduce_scatter"),
+        setup_state=dtype_totals(setup_tensors(module)),
+        compute_dtype=dtype_name(param_dtype) if param_dtype else None,
+        reshard_after_forward=options.reshard_after_forward,
+        strategy=strategy,
+        kept_for_backward=kept,
+        algorithms=algorithms,
+        cost_model=cost_model,
+        codec=codec,
+        frozen_units=_frozen_units(module, layout),
     )
 
 

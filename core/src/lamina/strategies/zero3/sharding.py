@@ -19,11 +19,13 @@ Two steps, with :func:`lamina.distribute`'s pre-flight and setup broadcast betwe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from lamina.memory import ShardLayout, build_layout, group_units
+from lamina.runtime import ExecutionPlan
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.contract import PlannedStep, SetupBroadcast
@@ -42,6 +44,7 @@ from lamina.strategies.zero3.materialize import on_meta
 from lamina.strategies.zero3.module import ShardedModule, Sharding
 from lamina.strategies.zero3.options import Zero3Options
 from lamina.strategies.zero3.planning import PlannedSharding, plan_sharding, setup_tensors
+from lamina.verify import PreflightReport
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ def build_sharded(step: PlannedStep) -> ShardedModule:
         hierarchical_groups=sharding.algorithm_groups,
         run_log=run_log,
     )
+    engine.set_planned_order(settings.forward_order)
+    engine.on_order_recorded = lambda order: record_forward_order(
+        sharding, inputs.planned, order, step.verify_again
+    )
     sharding.engine = engine
     sharding.whole_forward = hook_units(module, engine)
     # the model, its class extended
@@ -116,6 +123,29 @@ def build_sharded(step: PlannedStep) -> ShardedModule:
     sharding.on_meta = on_meta(sharded)
     register_shards(engine.units)
     return sharded
+
+
+def record_forward_order(
+    sharding: Sharding,
+    planned: PlannedSharding,
+    entered: tuple[str, ...],
+    verify_again: Callable[[ExecutionPlan], PreflightReport] | None,
+) -> None:
+    """The plan, rebuilt with the unit order the first forward ``entered`` (units it never
+    entered keep their planned place after those), becomes the model's plan and the run
+    log's: what the simulator and ``lamina plan`` read from then on. Node ids, sizes and
+    keep/free decisions stay the engine's; only the order (and the plan's
+    ``forward_order`` fact) moves. With verification on, every rank (each ends its first
+    forward here) checks the recorded plan against the others': a forward that entered
+    the units in another order on some rank is a VerificationError naming it."""
+    planned_order = list(planned.inputs.forward_order)
+    order = [*entered, *(u for u in planned_order if u not in entered)]
+    inputs = replace(planned.inputs, forward_order=order, order_source="recorded at step 1")
+    plan = plan_z3.build_zero3_plan(inputs)
+    sharding.execution_plan = plan
+    sharding.run_log.plan = plan
+    if verify_again is not None:
+        sharding.preflight = verify_again(plan)
 
 
 def _layout(module: nn.Module, world: int, options: Zero3Options) -> ShardLayout:
