@@ -24,7 +24,7 @@ from lamina.comm.buckets import ParamSpec, plan_buckets
 from lamina.comm.cost import AlgorithmChoice
 from lamina.errors import ConfigError
 from lamina.graph import CAPTURE_METHODS, capture
-from lamina.memory import build_layout, group_units
+from lamina.memory import UnitLayout, build_layout, group_units
 from lamina.runtime import (
     AlgorithmFact,
     CodecFact,
@@ -41,7 +41,8 @@ from lamina.runtime.primitives import choose_primitive
 from lamina.simulate import cluster_from_dict, predict
 from lamina.strategies.codec_registry import resolve_codec
 from lamina.strategies.dp.plan import DPPlanInputs, bucket_node, bucket_plan_of, build_dp_plan
-from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan
+from lamina.strategies.zero3.engine_settings import plan_layout
+from lamina.strategies.zero3.plan import PlanGroups, Zero3PlanInputs, build_zero3_plan, unit_fact
 
 pytestmark = pytest.mark.portable
 
@@ -194,6 +195,32 @@ def test_the_reducer_runs_the_buckets_the_printed_plan_holds() -> None:
     )
     run = bucket_plan_of(edited, planned).buckets[0]
     assert run.param_names[0] == detail.slots[-1].name != planned.buckets[0].param_names[0]
+
+
+def test_the_zero3_engine_builds_the_units_the_printed_plan_holds() -> None:
+    plan = _hsdp_plan(codec=None)
+    model = _mlp()
+    layout = build_layout(model, 2, units=group_units(model, min_unit_numel=1))
+    assert len(layout.units) > 1
+    assert plan_layout(plan, layout) == layout
+    assert plan_layout(_round_trip(plan), layout) == layout
+    # a unit edited in the plan no longer adds up to the layout it was planned from
+    node = next(n for n in plan.nodes if (g := n.facts(Gather)) and g.layout and g.layout.params)
+    gather = node.facts(Gather)
+    assert gather is not None and gather.layout is not None and len(gather.layout.params) > 1
+    fact = gather.layout
+    wider = [(p.name, (p.shape[0] + 1, *p.shape[1:])) for p in fact.params]
+    unit = UnitLayout.pack(fact.index, gather.unit, torch.float32, wider, 2)
+    for changed, message in (
+        (unit_fact(unit), "do not match the shard layout it was planned from"),
+        (dataclasses.replace(fact, params=unit_fact(unit).params[:1] + fact.params[1:]), "pack"),
+    ):
+        detail = dataclasses.replace(gather, layout=changed)
+        edited = plan.with_nodes(
+            tuple(dataclasses.replace(n, detail=detail) if n is node else n for n in plan.nodes)
+        )
+        with pytest.raises(ConfigError, match=message):
+            plan_layout(edited, layout)
 
 
 class _BlocksCalledBackwards(nn.Module):

@@ -16,7 +16,9 @@ from lamina.runtime.nodes import (
     Free,
     Gather,
     NodeDetail,
+    Slot,
     Transfer,
+    UnitFact,
 )
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode
 from lamina.runtime.render import explain
@@ -35,6 +37,8 @@ __all__ = [
     "NodeDetail",
     "PlanNode",
     "RunLog",
+    "Slot",
     "Transfer",
+    "UnitFact",
     "explain",
 ]

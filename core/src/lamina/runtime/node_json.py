@@ -22,6 +22,7 @@ from lamina.runtime.nodes import (
     NodeDetail,
     Slot,
     Transfer,
+    UnitFact,
 )
 
 
@@ -61,6 +62,7 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
             primitive=str(data.get("primitive", "all_gather")),
             frozen=bool(data.get("frozen", False)),
             algorithm=_algorithm(data.get("algorithm")),
+            layout=_unit(data.get("layout")),
         )
     if detail_type is Free:
         return Free(unit=str(data["unit"]))
@@ -100,6 +102,17 @@ def _codec(data: dict[str, Any] | None) -> CodecFact | None:
         str(data.get("scope", "all")),
         bool(data.get("error_feedback", False)),
         int(data.get("residual_bytes", 0)),
+    )
+
+
+def _unit(data: dict[str, Any] | None) -> UnitFact | None:
+    if data is None:
+        return None
+    return UnitFact(
+        int(data["index"]),
+        str(data["dtype"]),
+        tuple(_slot(d) for d in data["params"]),
+        int(data["alignment_bytes"]),
     )
 
 

@@ -116,15 +116,30 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class UnitFact:
+    """A ZeRO-3 unit's layout: its ``index`` in the shard layout, the ``dtype`` of its
+    shards, its parameters in buffer order (each ``Slot``'s offset is where it starts in
+    the unsharded buffer) and the buffer's ``alignment_bytes``; what the engine builds
+    the unit from."""
+
+    index: int
+    dtype: str
+    params: tuple[Slot, ...]
+    alignment_bytes: int
+
+
+@dataclass(frozen=True)
 class Gather:
     """A parameter gather of ``unit`` (its collective is the node's spec): held for
-    ``span``, through ``primitive`` and ``algorithm``; ``frozen`` units have no gradient."""
+    ``span``, through ``primitive`` and ``algorithm``; ``frozen`` units have no gradient.
+    A unit's first forward gather carries its ``layout``."""
 
     unit: str
     span: GatherSpan
     primitive: str = "all_gather"
     frozen: bool = False
     algorithm: AlgorithmFact | None = None
+    layout: UnitFact | None = None
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
 """The ZeRO-3 engine's settings, read from the verified execution plan.
 
-The gather and reduce-scatter primitives, the units run hierarchically, the gradient
-collective the codec compresses, and each unit's node ids: read from the nodes' typed
-facts (:mod:`lamina.runtime.nodes`), never from their labels, so the engine runs what
-every rank verified.
+The units' layouts, the gather and reduce-scatter primitives, the units run
+hierarchically, the gradient collective the codec compresses, the forward order and
+each unit's node ids: read from the nodes' typed facts (:mod:`lamina.runtime.nodes`),
+never from their labels, so the engine runs what every rank verified.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lamina.dtypes import dtype_from_name
+from lamina.errors import ConfigError
+from lamina.memory import ShardLayout, UnitLayout
 from lamina.memory.gather import Primitive
 from lamina.runtime import ExecutionPlan
 from lamina.runtime.nodes import Collective, Gather
@@ -85,6 +88,36 @@ class EngineSettings:
     def gathers_for_backward(self, unit: str) -> bool:
         """Whether the plan gathers ``unit`` again for backward."""
         return plan_z3.gather_node(unit, "bwd") in self.node_ids
+
+
+def plan_layout(plan: ExecutionPlan, planned: ShardLayout) -> ShardLayout:
+    """The shard layout the plan's forward gathers record (``Gather.layout``), in layout
+    order: the units the engine is built from (``planned``, the layout it was planned
+    from, only where the plan has no unit). A ConfigError when the plan's units do not
+    add up to that layout (the plan's ``graph_fingerprint``)."""
+    units: dict[int, UnitLayout] = {}
+    world = alignment = 1
+    for node in plan.nodes:
+        gather, spec = node.facts(Gather), node.collective
+        if gather is None or gather.layout is None or spec is None:
+            continue
+        fact = gather.layout
+        world, alignment = max(1, len(spec.group)), fact.alignment_bytes
+        members = [(slot.name, slot.shape) for slot in fact.params]
+        dtype = dtype_from_name(fact.dtype)
+        unit = UnitLayout.pack(fact.index, gather.unit, dtype, members, world, alignment)
+        if [p.full_offset for p in unit.params] != [slot.offset for slot in fact.params]:
+            raise ConfigError(f"execution plan node {node.id!r}: its unit's offsets do not pack")
+        units.setdefault(fact.index, unit)
+    if not units:
+        return planned
+    layout = ShardLayout(tuple(units[i] for i in sorted(units)), world, alignment)
+    if plan.graph_fingerprint and layout.fingerprint() != plan.graph_fingerprint:
+        raise ConfigError(
+            f"the {plan.strategy} plan's units do not match the shard layout it was planned "
+            "from (graph_fingerprint); plan again rather than edit the plan's units"
+        )
+    return layout
 
 
 def engine_settings(plan: ExecutionPlan) -> EngineSettings:

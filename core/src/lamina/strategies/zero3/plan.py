@@ -15,7 +15,16 @@ from lamina.comm.cost import AlgorithmChoice
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.memory.layout import ShardLayout, UnitLayout
 from lamina.runtime.broadcasts import broadcast_nodes
-from lamina.runtime.nodes import CodecFact, Collective, Compute, Free, Gather, GatherSpan
+from lamina.runtime.nodes import (
+    CodecFact,
+    Collective,
+    Compute,
+    Free,
+    Gather,
+    GatherSpan,
+    Slot,
+    UnitFact,
+)
 from lamina.runtime.plan import CollectiveSpec, ExecutionPlan, Fallback, PlanNode, meta_items
 from lamina.runtime.primitives import PrimitiveChoice
 from lamina.strategies.algorithm_nodes import (
@@ -314,6 +323,12 @@ def build_zero3_plan(inputs: Zero3PlanInputs) -> ExecutionPlan:
     )
 
 
+def unit_fact(unit: UnitLayout) -> UnitFact:
+    """``unit``'s layout as the plan records it."""
+    slots = tuple(Slot(p.name, p.shape, p.full_offset) for p in unit.params)
+    return UnitFact(unit.index, unit.dtype, slots, unit.alignment_bytes)
+
+
 def _gather(
     inputs: Zero3PlanInputs, unit: UnitLayout, node_id: str, span: GatherSpan, label: str
 ) -> PlanNode:
@@ -328,6 +343,7 @@ def _gather(
             primitive=inputs.gather.op,
             frozen=unit.name in inputs.frozen_units,
             algorithm=algorithm_fact(inputs.algorithm_of(unit.name)),
+            layout=unit_fact(unit) if span != "backward" else None,
         ),
         _gather_spec(inputs, unit),
     )

@@ -36,7 +36,7 @@ from lamina.strategies.zero3.engine_build import (
     dtensor_mesh,
     hook_units,
 )
-from lamina.strategies.zero3.engine_settings import engine_settings
+from lamina.strategies.zero3.engine_settings import engine_settings, plan_layout
 from lamina.strategies.zero3.full_params import save_pretrained_method
 from lamina.strategies.zero3.groups import ShardGroups, shard_groups
 from lamina.strategies.zero3.init_rng import register_shards
@@ -86,10 +86,11 @@ def build_sharded(step: PlannedStep) -> ShardedModule:
     assert isinstance(inputs, ShardingInputs)
     module, plan, groups, options = step.module, step.plan, inputs.groups, inputs.options
     run_log = step.log()
+    layout = plan_layout(plan, inputs.layout)  # the plan's units: what every rank verified
     sharding = Sharding(
         inputs.ctx,
         inputs.placement,
-        inputs.layout,
+        layout,
         plan,
         run_log,
         step.preflight,
@@ -103,7 +104,7 @@ def build_sharded(step: PlannedStep) -> ShardedModule:
     engine = build_engine(
         module,
         inputs.ctx,
-        inputs.layout,
+        layout,
         groups,
         options,
         settings=settings,
