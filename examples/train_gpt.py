@@ -101,6 +101,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="fp8 compresses every phase, or only the inter-host phase (hierarchical)",
     )
     p.add_argument(
+        "--compile",
+        choices=("none", "step"),
+        default="none",
+        help="step: the whole step (forward, loss, backward, the plan's all-reduces, AdamW) "
+        "as one captured graph (lamina.compile_step; dp, no --grad-clip)",
+    )
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of --compile step"
+    )
+    p.add_argument(
         "--metrics",
         default=None,
         help="rank 0 appends one JSON line per evaluation here (step, train and val loss)",
@@ -112,6 +122,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --keep must be >= 1")
     if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
+    if args.compile == "step" and (args.strategy != "dp" or args.grad_clip > 0):
+        p.error("--compile step captures dp's step, without clipping: add --grad-clip 0")
     known = [*OWN_CODECS, *codecs()]
     if args.codec not in known:
         p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")
@@ -237,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, max(1, warmup), args.max_steps)
         )
+        compiled = (
+            lamina.compile_step(model, optimizer, lm_loss, backend=args.compile_backend)
+            if args.compile == "step"
+            else None
+        )
         windows = window_count(corpus.train, args.seq_len)
         if windows < args.batch_size * rt.world_size:
             raise SystemExit(
@@ -285,12 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for step in range(start + 1, args.max_steps + 1):
                 t0 = time.perf_counter()
                 x, y = window_batch(corpus.train, sampler.next_batch(), args.seq_len)
-                loss = lm_loss(model(x.to(rt.device)), y.to(rt.device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if args.grad_clip > 0:
-                    model.clip_grad_norm_(args.grad_clip)  # type: ignore[operator]
-                optimizer.step()
+                if compiled is not None:  # forward to the optimizer's update, one graph
+                    loss = compiled(x.to(rt.device), y.to(rt.device))
+                else:
+                    loss = lm_loss(model(x.to(rt.device)), y.to(rt.device))
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if args.grad_clip > 0:
+                        model.clip_grad_norm_(args.grad_clip)  # type: ignore[operator]
+                    optimizer.step()
                 schedule.step()
                 rt.handle.synchronize()
                 value = float(loss.detach())

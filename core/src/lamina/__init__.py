@@ -5,7 +5,7 @@ the device contracts live in :mod:`lamina.device`; plugins implement
 :mod:`lamina.hookspecs`.
 """
 
-from lamina.api import distribute
+from lamina.api import compile_step, distribute
 from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
 from lamina.device.kernels import Dim3, KernelLauncher
@@ -33,6 +33,7 @@ __all__ = [
     "Stream",
     "Topology",
     "__version__",
+    "compile_step",
     "current",
     "distribute",
     "hookimpl",

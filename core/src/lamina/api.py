@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
 from lamina.strategies.contract import Placement
+from lamina.strategies.dp.compiled_step import CompiledStep
+from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.registry import get_strategy
-from lamina.strategies.wrap_pipeline import distribute_with
+from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 
 
 def distribute(
@@ -42,3 +46,25 @@ def distribute(
     where = placement if placement is not None else chosen.default_placement(runtime.mesh)
     where.check(runtime.mesh, chosen.name)
     return distribute_with(chosen, model, runtime, where, settings)
+
+
+def compile_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+) -> Callable[..., torch.Tensor]:
+    """The whole training step of ``model`` (distributed with ``dp``) as one captured
+    graph: ``loss = step(*inputs, target)`` runs the forward, ``loss_fn(output, target)``,
+    the backward, the plan's gradient all-reduces and ``optimizer``'s update (see
+    :mod:`lamina.strategies.dp.compiled_step`); ``backend`` is ``torch.compile``'s. What
+    cannot be captured runs the eager step, with the reason in ``step_summary()``."""
+    state = getattr(model, "__dict__", {}).get("lamina_dp")
+    if not isinstance(state, DataParallelState):
+        strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
+        raise ConfigError(
+            f"compile_step takes a model distributed with 'dp' (this one: {strategy}); "
+            "call lamina.distribute(model, 'dp') first (zero3 and hsdp are not built yet)"
+        )
+    return CompiledStep(model, state, optimizer, loss_fn, backend)

@@ -120,7 +120,7 @@ class DataParallelState:
         plan the step: buckets, each bucket's algorithm and codec, the execution plan,
         the setup broadcast of the first rank's state. No collective."""
         methods = self.options.capture_methods
-        with _seen_as(module, self.model_class):
+        with seen_as(module, self.model_class):
             graph = capture(module, inputs.args, dict(inputs.kwargs), methods=methods)  # type: ignore[arg-type]
         named = dict(module.named_parameters())
         specs = [
@@ -348,7 +348,7 @@ class DataParallelState:
 
 
 @contextmanager
-def _seen_as(module: nn.Module, cls: type[nn.Module]) -> Iterator[None]:
+def seen_as(module: nn.Module, cls: type[nn.Module]) -> Iterator[None]:
     """``module`` as an instance of ``cls`` (its class before ``dp`` extended it) for the
     block: the graph capture runs the model's own forward, and ``torch.export`` and
     ``torch.fx`` see its own signature."""
