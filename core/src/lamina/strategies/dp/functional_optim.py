@@ -68,6 +68,11 @@ class FunctionalOptimizer:
                 elif group["momentum"]:
                     state["momentum_buffer"] = torch.zeros_like(p)
 
+    def _decoupled(self, group: dict[str, object]) -> bool:
+        """AdamW's weight decay (a group key since torch made AdamW an Adam)."""
+        default = isinstance(self.optimizer, torch.optim.AdamW)
+        return bool(group.get("decoupled_weight_decay", default))
+
     def learning_rates(self) -> list[torch.Tensor]:
         """Each group's current learning rate as a 0-dim tensor (a graph input)."""
         groups = self.optimizer.param_groups
@@ -90,7 +95,7 @@ class FunctionalOptimizer:
                         [],
                         [s["step"] for s in states],
                         foreach=False,
-                        decoupled_weight_decay=bool(group.get("decoupled_weight_decay")),
+                        decoupled_weight_decay=self._decoupled(group),
                         amsgrad=False,
                         beta1=beta1,
                         beta2=beta2,
