@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.func import functional_call, grad_and_value
 
-from lamina.comm.buckets import BucketPlan
+from lamina.comm.buckets import Bucket, BucketPlan
 from lamina.errors import failure_reason
 from lamina.runtime import Compute, ExecutionPlan, Fallback
 from lamina.strategies.contract import StepInputs
@@ -236,10 +236,7 @@ class CompiledStep:
         if size == 1:
             return out
         for bucket in self._buckets.buckets:
-            pieces = [grads[s.name].reshape(-1) for s in bucket.slots]
-            flat = torch.zeros(bucket.numel, dtype=pieces[0].dtype, device=pieces[0].device)
-            for slot, piece in zip(bucket.slots, pieces, strict=True):
-                flat = flat.slice_scatter(piece, 0, slot.offset, slot.offset + slot.numel)
+            flat = torch.cat(_packed(grads, bucket))
             summed = funcol.all_reduce(flat, "sum", group if group is not None else world)
             mean = summed / size
             for slot in bucket.slots:
@@ -256,3 +253,19 @@ class CompiledStep:
         if self._failed_at_run and self.state.run_log is not None:
             self.state.run_log.fallback(plan_dp.FORWARD, EAGER, self.eager_reason)
         return loss.detach()
+
+
+def _packed(grads: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor]:
+    """The bucket's gradients flattened in slot order, with zeros where the layout pads
+    (between slots and at the end): one ``torch.cat`` makes the bucket's buffer."""
+    pieces: list[torch.Tensor] = []
+    cursor = 0
+    for slot in bucket.slots:
+        grad = grads[slot.name]
+        if slot.offset > cursor:
+            pieces.append(grad.new_zeros(slot.offset - cursor))
+        pieces.append(grad.reshape(-1))
+        cursor = slot.offset + slot.numel
+    if bucket.numel > cursor:
+        pieces.append(pieces[-1].new_zeros(bucket.numel - cursor))
+    return pieces
