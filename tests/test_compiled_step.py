@@ -137,6 +137,45 @@ def test_one_graph_holds_the_plans_all_reduces_in_order_and_size() -> None:
         assert result["reduces"] == result["planned"] and len(result["planned"]) > 1, result
 
 
+def _shapes() -> dict[str, Any]:
+    """Batches of 8, 4, 6, then 8 rows, compiled for at most 2 shapes, against eager."""
+    runtime = lamina.init()
+    torch.manual_seed(runtime.rank)
+    initial = _Net()
+    eager = lamina.distribute(copy.deepcopy(initial), "dp")
+    compiled = lamina.distribute(copy.deepcopy(initial), "dp")
+    opt_eager, opt_compiled = _optimizer("adamw", eager), _optimizer("adamw", compiled)
+    step = lamina.compile_step(compiled, opt_compiled, F.mse_loss, backend="aot_eager")
+    summaries, worst = [], 0.0
+    for k, rows in enumerate((8, 4, 6, 8)):
+        generator = torch.Generator().manual_seed(100 * k + runtime.rank)
+        x, y = torch.randn(rows, 16, generator=generator), torch.randn(rows, 4, generator=generator)
+        step(x, y)
+        opt_eager.zero_grad(set_to_none=True)
+        F.mse_loss(eager(x), y).backward()
+        opt_eager.step()
+        summaries.append(compiled.step_summary())
+        worst = max(
+            worst,
+            max(
+                (a - b).abs().max().item()
+                for a, b in zip(compiled.parameters(), eager.parameters(), strict=True)
+            ),
+        )
+    return {"summaries": summaries, "param": worst, "recompiles": compiled.run_log.recompiles}
+
+
+@pytest.mark.timeout(300)
+def test_a_new_shape_recompiles_once_counted_and_past_the_bound_runs_eagerly() -> None:
+    for result in run_ranks(_shapes, 2, timeout=280):
+        first, second, third, fourth = result["summaries"]
+        assert "recompiled" not in first and "run fallbacks" not in first, result
+        assert "recompiled x1 (1 in the run)" in second, result
+        assert "max_shapes=2" in third and "[6, 16]" in third, result  # eager, with why
+        assert "recompiled" not in fourth and "run fallbacks" not in fourth, result
+        assert result["recompiles"] == 1 and result["param"] <= TOLERANCE, result
+
+
 @pytest.mark.timeout(300)
 def test_a_step_that_cannot_be_captured_runs_eagerly_with_the_reason() -> None:
     for result in run_ranks(_against_eager, 2, args=("sgd", True), timeout=280):
@@ -150,6 +189,9 @@ def test_compile_step_takes_a_dp_model() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="compile_step takes a model distributed with 'dp'"):
         lamina.compile_step(model, opt, F.mse_loss)
+    dp = lamina.distribute(_Net(), "dp")
+    with pytest.raises(ConfigError, match="max_shapes=0; pass how many input shapes"):
+        lamina.compile_step(dp, torch.optim.SGD(dp.parameters(), lr=0.1), F.mse_loss, max_shapes=0)
 
 
 def test_an_optimizer_whose_update_is_not_traced_is_a_plan_fallback_with_the_reason() -> None:

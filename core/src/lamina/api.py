@@ -54,12 +54,15 @@ def compile_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     *,
     backend: str | Callable[..., Any] = "inductor",
+    max_shapes: int = 2,
 ) -> Callable[..., torch.Tensor]:
     """The whole training step of ``model`` (distributed with ``dp``) as one captured
     graph: ``loss = step(*inputs, target)`` runs the forward, ``loss_fn(output, target)``,
     the backward, the plan's gradient all-reduces and ``optimizer``'s update (see
     :mod:`lamina.strategies.dp.compiled_step`); ``backend`` is ``torch.compile``'s. What
-    cannot be captured runs the eager step, with the reason in ``step_summary()``."""
+    cannot be captured runs the eager step, with the reason in ``step_summary()``; a new
+    input shape compiles again, counted, up to ``max_shapes`` shapes, and past that runs
+    eagerly with the reason."""
     state = getattr(model, "__dict__", {}).get("lamina_dp")
     if not isinstance(state, DataParallelState):
         strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
@@ -67,4 +70,4 @@ def compile_step(
             f"compile_step takes a model distributed with 'dp' (this one: {strategy}); "
             "call lamina.distribute(model, 'dp') first (zero3 and hsdp are not built yet)"
         )
-    return CompiledStep(model, state, optimizer, loss_fn, backend)
+    return CompiledStep(model, state, optimizer, loss_fn, backend, max_shapes)

@@ -40,6 +40,8 @@ class StepRecord:
     #: A backward that synchronizes gradients ended in this step (with one rank, where
     #: nothing is issued, this is what ends a step; under ``no_sync`` nothing does).
     synced: bool = False
+    #: Times a compiled step was compiled again in this step (a new input shape).
+    recompiles: int = 0
 
 
 class RunLog:
@@ -55,6 +57,8 @@ class RunLog:
         self.current = StepRecord(step=0)
         self.last: StepRecord | None = None
         self._backward: SpanEvent | None = None
+        #: Recompilations of a compiled step over the run (each also in its step).
+        self.recompiles = 0
 
     def begin_step(self) -> None:
         """Close the current step (if it issued anything or synchronized a backward) and
@@ -126,6 +130,11 @@ class RunLog:
         self.current.issued[node_id] += 1
         self.current.nbytes += node.collective.nbytes if nbytes is None else nbytes
 
+    def recompiled(self) -> None:
+        """A compiled step was compiled again (a new input shape) in the current step."""
+        self.current.recompiles += 1
+        self.recompiles += 1
+
     def fallback(self, node_id: str, alternative: str, reason: str) -> FallbackEvent:
         """Record a run-time fallback declared on ``node_id``; logs it once per kind."""
         declared = [
@@ -163,6 +172,8 @@ class RunLog:
             parts.append(
                 "plan fallbacks: " + "; ".join(f"{k} (x{n})" for k, n in plan_taken.items())
             )
+        if record.recompiles:
+            parts.append(f"recompiled x{record.recompiles} ({self.recompiles} in the run)")
         if record.fallbacks:
             parts.append(
                 "run fallbacks: "

@@ -23,7 +23,10 @@ the reducer, ``optimizer.step()``), declared on the plan's ``forward`` node:
   step leaves their gradient ``None``), a codec or an algorithm other than ``flat`` on a
   bucket (the graph issues plain all-reduces);
 - at the first call (``when="run"``, in the run log and ``step_summary()``): capture or
-  compilation raising (a graph break under ``fullgraph``, say), with the reason.
+  compilation raising (a graph break under ``fullgraph``, say), with the reason;
+- a new input shape compiles again (counted: ``recompiled`` in the run log and
+  ``step_summary()``) up to ``max_shapes`` shapes (default 2); a shape past that runs
+  the eager step, recorded with the reason each time, while the compiled ones replay.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.func import functional_call, grad_and_value
 
 from lamina.comm.buckets import Bucket, BucketPlan
-from lamina.errors import failure_reason
+from lamina.errors import ConfigError, failure_reason
 from lamina.runtime import Compute, ExecutionPlan, Fallback
 from lamina.strategies.contract import StepInputs
 from lamina.strategies.dp import plan as plan_dp
@@ -64,8 +67,17 @@ class CompiledStep:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
         backend: str | Callable[..., Any] = "inductor",
+        max_shapes: int = 2,
     ) -> None:
+        if not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ConfigError(
+                f"compile_step: max_shapes={max_shapes!r}; pass how many input shapes to "
+                "compile (>= 1) before new ones run eagerly"
+            )
         self.model = model
+        #: Input shapes compiled at most (then a new one runs the eager step).
+        self.max_shapes = max_shapes
+        self._shapes: list[tuple[tuple[tuple[int, ...], str], ...]] = []
         self.state = state
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -96,17 +108,27 @@ class CompiledStep:
         self.calls += 1
         if self.eager_reason:
             return self._eager(inputs, target)
+        shape = _signature([*inputs, target])
+        new = shape not in self._shapes
+        if new and len(self._shapes) >= self.max_shapes:
+            loss = self._eager(inputs, target)
+            log.fallback(plan_dp.FORWARD, EAGER, self._past_bound(shape))
+            return loss
         log.begin_step()
         if state.broadcast_buffers:
             state.broadcast_state(self.model, "forward")
         try:
             loss = self._replay(inputs, target)
         except Exception as exc:
-            if self.calls > 1:
+            if not new:  # a captured graph that ran before failed: not a capture problem
                 raise
             self.eager_reason = failure_reason(exc)
             self._failed_at_run = True
             return self._eager(inputs, target)
+        if new:
+            self._shapes.append(shape)
+            if len(self._shapes) > 1:
+                log.recompiled()
         assert self._buckets is not None
         for bucket in self._buckets.buckets:
             log.issued(plan_dp.bucket_node(bucket.index))
@@ -140,6 +162,13 @@ class CompiledStep:
                 self.mode,
                 EAGER,
                 "capturing or compiling the step raises (a graph break, say)",
+                when="run",
+            ),
+            Fallback(
+                plan_dp.FORWARD,
+                self.mode,
+                EAGER,
+                f"an input shape past the {self.max_shapes} compiled ones (max_shapes=)",
                 when="run",
             ),
         ]
@@ -177,6 +206,14 @@ class CompiledStep:
             if node.algorithm is not None and node.algorithm.name != "flat":
                 return f"bucket node {node.id} runs {node.algorithm.describe()}"
         return ""
+
+    def _past_bound(self, shape: tuple[tuple[tuple[int, ...], str], ...]) -> str:
+        """Why a step with input ``shape`` runs eagerly."""
+        shown = ", ".join(f"{list(dims)}" for dims, _ in shape)
+        return (
+            f"input shapes {shown} would compile a graph past max_shapes={self.max_shapes}; "
+            "the compiled shapes replay, this one runs eagerly"
+        )
 
     # -- running ---------------------------------------------------------------------------
     def _replay(self, inputs: list[Any], target: Any) -> torch.Tensor:
@@ -269,3 +306,8 @@ def _packed(grads: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor
     if bucket.numel > cursor:
         pieces.append(pieces[-1].new_zeros(bucket.numel - cursor))
     return pieces
+
+
+def _signature(values: list[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """The shapes and dtypes of the step's tensor arguments (what a new graph is for)."""
+    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
