@@ -165,17 +165,17 @@ class DataParallelState:
         buckets = plan_dp.bucket_plan_of(execution, built.buckets)  # what runs: the plan's
         self.execution_plan, self.run_log = execution, planned.log()
         self.preflight = planned.preflight
-        self.algorithm_groups = self._algorithm_groups(execution)
+        self.algorithm_groups = self._algorithm_groups(execution, buckets)
         self.reducer = GradientReducer(
             buckets,
             dict(module.named_parameters()),
             self.group,
             self.handle,
             bucket_nodes=[plan_dp.bucket_node(b.index) for b in buckets.buckets],
-            codecs=self._bucket_codecs(execution),
+            codecs=self._bucket_codecs(execution, buckets),
             excluded_node=plan_dp.EXCLUDED,
             observer=self.run_log,
-            algorithms=self._bucket_algorithms(execution),
+            algorithms=self._bucket_algorithms(execution, buckets),
             algorithm_groups=self.algorithm_groups,
             codec_scope=self.options.codec_scope,
             channel=self._two_phase_channel(execution),
@@ -275,20 +275,24 @@ class DataParallelState:
     def _pg_backend(self) -> str:
         return str(dist.get_backend(self.group))
 
-    def _bucket_algorithms(self, execution: ExecutionPlan) -> dict[int, tuple[str, int]]:
+    def _bucket_algorithms(
+        self, execution: ExecutionPlan, buckets: BucketPlan
+    ) -> dict[int, tuple[str, int]]:
         """The algorithm and chunk count the plan gives each bucket."""
+        if execution.world_size == 1:
+            return {}
         out = {}
-        for b in plan_dp.bucket_plan_of(execution, self.plan).buckets if self.plan else ():
-            if execution.world_size == 1:
-                continue
+        for b in buckets.buckets:
             algorithm = execution.node(plan_dp.bucket_node(b.index)).algorithm
             out[b.index] = (algorithm.name, algorithm.chunks) if algorithm else ("flat", 1)
         return out
 
-    def _algorithm_groups(self, execution: ExecutionPlan) -> AlgorithmGroups | None:
+    def _algorithm_groups(
+        self, execution: ExecutionPlan, buckets: BucketPlan
+    ) -> AlgorithmGroups | None:
         """The process groups of the plan's algorithms (built after pre-flight agreed on
         the plan: every rank builds the same groups in the same order)."""
-        used = {name for name, _ in self._bucket_algorithms(execution).values()}
+        used = {name for name, _ in self._bucket_algorithms(execution, buckets).values()}
         if used <= {"flat"} or self._cost_model is None:
             return None
         return AlgorithmGroups(
@@ -300,12 +304,12 @@ class DataParallelState:
             needed=used,
         )
 
-    def _bucket_codecs(self, execution: ExecutionPlan) -> dict[int, Codec]:
+    def _bucket_codecs(self, execution: ExecutionPlan, buckets: BucketPlan) -> dict[int, Codec]:
         if self.codec is None or execution.world_size == 1:
             return {}
         return {
             b.index: self.codec
-            for b in (plan_dp.bucket_plan_of(execution, self.plan).buckets if self.plan else ())
+            for b in buckets.buckets
             if execution.node(plan_dp.bucket_node(b.index)).codec is not None
         }
 

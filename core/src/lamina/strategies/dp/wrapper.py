@@ -35,6 +35,7 @@ from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement, PlanAndBuild, StepInputs
 from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.dp.planner import DataParallelState
+from lamina.strategies.extension import extend_class
 from lamina.verify import PreflightReport
 
 
@@ -148,11 +149,4 @@ def replicate_module(
     cls = type(module)
     state = DataParallelState(ctx, placement, options, cls, plan_and_build)
     aliases = {name: alias for name, alias in ALIASES.items() if not hasattr(module, name)}
-    # the model's own name (Hugging Face writes type(model).__name__ into a saved
-    # config's "architectures"); its __module__ says where the extension comes from
-    extended = type(cls.__name__, (DataParallelModule, cls), aliases)
-    extended.__qualname__ = cls.__qualname__
-    module.__class__ = extended
-    assert isinstance(module, DataParallelModule)
-    module.__dict__["lamina_dp"] = state  # plain state: not a submodule or buffer
-    return module
+    return extend_class(module, DataParallelModule, aliases, "lamina_dp", state)

@@ -15,52 +15,25 @@ The mesh comes from the topology (``lamina.init(mesh="topology")``: ``inter`` x
 
 from __future__ import annotations
 
-from torch import nn
-
 from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh
-from lamina.strategies.context import StrategyContext
-from lamina.strategies.contract import (
-    Placement,
-    PlannedStep,
-    StepInputs,
-    Strategy,
-    StrategyOptions,
-    axis_names,
-)
-from lamina.strategies.zero3.options import Zero3Options
-from lamina.strategies.zero3.sharding import build_sharded, plan_shards
+from lamina.strategies.contract import Placement, axis_names
+from lamina.strategies.zero3 import Zero3Strategy
 
 #: The axes HSDP replicates over and shards over by default (``inter``, ``intra``).
 REPLICATE_AXIS, SHARD_AXIS = TOPOLOGY_AXES
 
 
-class HybridShardedStrategy(Strategy):
-    """Shards over the fast axis, replicates over the slow one (see the module)."""
+class HybridShardedStrategy(Zero3Strategy):
+    """Shards over the fast axis, replicates over the slow one (see the module): ZeRO-3's
+    plan and build on another default placement."""
 
     name = "hsdp"
     summary = "HSDP: ZeRO-3 inside each fast domain (intra), replicated across domains (inter)"
-    options = Zero3Options
 
     def default_placement(self, mesh: DeviceMesh) -> Placement:
         """Shard over ``intra``, replicate over ``inter`` (ConfigError without them)."""
         axis_names(mesh, (REPLICATE_AXIS, SHARD_AXIS), self.name)
         return Placement(shard=(SHARD_AXIS,), replicate=(REPLICATE_AXIS,))
-
-    def plan(
-        self,
-        model: nn.Module,
-        ctx: StrategyContext,
-        placement: Placement,
-        options: StrategyOptions,
-        inputs: StepInputs | None = None,
-    ) -> PlannedStep:
-        """The sharded step over ``placement``'s shard (and replica) groups."""
-        assert isinstance(options, Zero3Options)
-        return plan_shards(model, ctx, placement, options, self.name)
-
-    def build(self, planned: PlannedStep) -> nn.Module:
-        """The model itself, sharded in place as the plan says."""
-        return build_sharded(planned)
 
 
 __all__ = ["HybridShardedStrategy"]

@@ -29,6 +29,7 @@ from lamina.runtime import ExecutionPlan
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.contract import PlannedStep, SetupBroadcast
+from lamina.strategies.extension import extend_class
 from lamina.strategies.zero3 import plan as plan_z3
 from lamina.strategies.zero3.engine_build import (
     algorithm_groups,
@@ -162,13 +163,5 @@ def _layout(module: nn.Module, world: int, options: Zero3Options) -> ShardLayout
 def _extend_class(module: nn.Module, sharding: Sharding, strategy: str) -> ShardedModule:
     """``module`` itself, its class extended by :class:`ShardedModule`, carrying
     ``sharding``."""
-    cls = type(module)
-    methods = save_pretrained_method(cls, strategy)
-    # the model's own name (Hugging Face writes type(model).__name__ into a saved
-    # config's "architectures"); its __module__ says where the extension comes from
-    extended = type(cls.__name__, (ShardedModule, cls), methods)
-    extended.__qualname__ = cls.__qualname__
-    module.__class__ = extended
-    assert isinstance(module, ShardedModule)
-    module.__dict__["lamina_sharding"] = sharding  # plain state: not a submodule or buffer
-    return module
+    methods = save_pretrained_method(type(module), strategy)
+    return extend_class(module, ShardedModule, methods, "lamina_sharding", sharding)
