@@ -86,7 +86,6 @@ class CompiledStep:
         #: Why the step runs eagerly ('' while it runs compiled).
         self.eager_reason = ""
         self._failed_at_run = False
-        self.calls = 0
         self._functional = FunctionalOptimizer(optimizer)
         self._compiled: Callable[..., Any] | None = None
         self._buckets: BucketPlan | None = None
@@ -98,14 +97,12 @@ class CompiledStep:
             raise TypeError("step(*inputs, target): pass the model's inputs, then the target")
         *inputs, target = args
         state = self.state
-        if state.execution_plan is None:
+        if state.execution_plan is None:  # lamina.distribute's sequence, from these inputs
             state.plan_and_build(StepInputs(tuple(inputs), {}))
-            self._declare()
-        elif self._buckets is None:
+        if self._buckets is None:
             self._declare()
         log = state.run_log
         assert log is not None
-        self.calls += 1
         if self.eager_reason:
             return self._eager(inputs, target)
         shape = _signature([*inputs, target])
