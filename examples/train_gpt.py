@@ -104,8 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compile",
         choices=("none", "step"),
         default="none",
-        help="step: the whole step (forward, loss, backward, the plan's all-reduces, AdamW) "
-        "as one captured graph (lamina.compile_step; dp, no --grad-clip)",
+        help="step: the whole step (forward, loss, backward, the plan's collectives, AdamW) "
+        "as one captured graph (lamina.compile_step; dp, zero3, hsdp; no --grad-clip)",
     )
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of --compile step"
@@ -122,8 +122,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --keep must be >= 1")
     if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
-    if args.compile == "step" and (args.strategy != "dp" or args.grad_clip > 0):
-        p.error("--compile step captures dp's step, without clipping: add --grad-clip 0")
+    if args.compile == "step" and args.grad_clip > 0:
+        p.error("--compile step captures the step without clipping: add --grad-clip 0")
     known = [*OWN_CODECS, *codecs()]
     if args.codec not in known:
         p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")

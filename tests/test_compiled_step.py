@@ -1,6 +1,9 @@
-"""``lamina.compile_step``: the whole DP step (forward, loss, backward, the plan's
-all-reduces, the optimizer's update) as one captured graph per rank, against lamina's
-eager step on 2 gloo ranks from rank-seeded weights; and its declared fallbacks.
+"""``lamina.compile_step``: the whole step (forward, loss, backward, the plan's
+collectives, the optimizer's update) as one captured graph per rank, for ``dp``,
+``zero3`` and ``hsdp``, against lamina's eager step from rank-seeded weights: on 2 gloo
+ranks, and on 4 of a declared 2-host x 2-rank topology (where the plans choose the
+hierarchical algorithm); the GPT example with dropout and a Hugging Face Llama; the
+pre-flight comparison of the captured graphs; and the declared fallbacks.
 
 The graphs are compiled with ``aot_eager`` (torch.compile's capture and AOT autograd,
 without Inductor's C++ code generation, which costs 15-70 s a model here): what is
@@ -11,6 +14,8 @@ with Inductor.
 from __future__ import annotations
 
 import copy
+import json
+import os
 from typing import Any
 
 import pytest
@@ -19,8 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import lamina
-from lamina.errors import ConfigError
+from lamina.errors import ConfigError, VerificationError
 from lamina.testing import run_ranks
+from models_for_tests import GPT, GPTConfig, WithUnused, batch, build, full_params
+from topologies_for_tests import two_hosts_of_two
 
 pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
 
@@ -43,10 +50,16 @@ class _Net(nn.Module):
         return self.out(h)
 
 
-def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(name: str, model: nn.Module, adamw_lr: float = 1e-2) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return torch.optim.AdamW(model.parameters(), lr=adamw_lr)
+
+
+#: AdamW's learning rate where four ranks sum (see tests/test_hsdp.py): AdamW turns the
+#: fp32 rounding of a near-zero gradient into steps of up to ``lr``, and the graph's
+#: update rounds as AOT autograd's decomposition of torch's ops does.
+ADAMW_LR = 1e-3
 
 
 def _against_eager(optimizer_name: str, branchy: bool) -> dict[str, Any]:
@@ -90,6 +103,7 @@ def _against_eager(optimizer_name: str, branchy: bool) -> dict[str, Any]:
         "eager_state_keys": sorted(next(iter(opt_eager.state.values())).keys()),
         "buckets": len([n for n in plan.collectives() if n.id.startswith("bucket")]),
         "issued": dict(compiled.run_log.last.issued) if compiled.run_log.last else {},
+        "graphs": len(step.checked.graphs),
     }
 
 
@@ -102,6 +116,7 @@ def test_the_compiled_step_equals_the_eager_step(optimizer: str) -> None:
         assert result["state_keys"] == result["eager_state_keys"]  # torch's own state
         assert result["buckets"] > 1  # several of the plan's all-reduces in the graph
         assert result["issued"] == {f"bucket{i}.all_reduce": 1 for i in range(result["buckets"])}
+        assert result["graphs"] == 1, result  # the LR schedule changes no graph
 
 
 def _one_graph() -> dict[str, Any]:
@@ -183,13 +198,15 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_with_the_reason() -> None:
         assert "fallback" in result["summary"] and "eager" in result["summary"], result
 
 
-def test_compile_step_takes_a_dp_model() -> None:
+def test_compile_step_takes_a_distributed_model_and_valid_options() -> None:
     lamina.init()
-    model = lamina.distribute(_Net(), "zero3", min_unit_numel=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = _Net()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="compile_step takes a model distributed with 'dp'"):
-        lamina.compile_step(model, opt, F.mse_loss)
+        lamina.compile_step(plain, opt, F.mse_loss)
     dp = lamina.distribute(_Net(), "dp")
+    with pytest.raises(ConfigError, match="on_graph_break='never'; pass 'eager'"):
+        lamina.compile_step(dp, opt, F.mse_loss, on_graph_break="never")
     with pytest.raises(ConfigError, match="max_shapes=0; pass how many input shapes"):
         lamina.compile_step(dp, torch.optim.SGD(dp.parameters(), lr=0.1), F.mse_loss, max_shapes=0)
 
@@ -208,3 +225,201 @@ def test_an_optimizer_whose_update_is_not_traced_is_a_plan_fallback_with_the_rea
         model.execution_plan.fallbacks
     )
     assert "compiled_step:aot_eager -> eager" in model.step_summary()
+
+
+# -- zero3, hsdp and dp on a declared 2 x 2 topology ----------------------------------------
+def _strategy_against_eager(
+    strategy: str, optimizer_name: str, initial: nn.Module, data: Any, loss_fn: Any
+) -> dict[str, Any]:
+    """5 steps of ``strategy``'s compiled step against its eager step, from ``initial``
+    (rank-seeded), both drawing dropout from the same seed each step. The loss is compared
+    relative to its size (above 1): the graph's optimizer arithmetic is torch's, but AOT
+    autograd decomposes some of its ops, so the parameters differ by fp32 rounding."""
+    options: dict[str, Any] = {"bucket_cap_mb": 0.002} if strategy == "dp" else {}
+    if strategy != "dp":
+        options["min_unit_numel"] = 0
+    eager = lamina.distribute(copy.deepcopy(initial), strategy, **options)
+    compiled = lamina.distribute(copy.deepcopy(initial), strategy, **options)
+    opt_eager = _optimizer(optimizer_name, eager, ADAMW_LR)
+    opt_compiled = _optimizer(optimizer_name, compiled, ADAMW_LR)
+    step = lamina.compile_step(compiled, opt_compiled, loss_fn, backend="aot_eager")
+    worst_loss = 0.0
+    for k in range(STEPS):
+        x, y = data(k)
+        torch.manual_seed(1000 + k)  # the same dropout masks, if the graph draws as eager
+        loss = step(x, y)
+        torch.manual_seed(1000 + k)
+        opt_eager.zero_grad(set_to_none=True)
+        reference = loss_fn(eager(x), y)
+        reference.backward()
+        opt_eager.step()
+        expected = float(reference.detach())
+        worst_loss = max(worst_loss, abs(float(loss) - expected) / max(1.0, abs(expected)))
+    ours, theirs = full_params(compiled), full_params(eager)
+    plan = compiled.execution_plan
+    return {
+        "loss": worst_loss,
+        "param": max((ours[n] - theirs[n]).abs().max().item() for n in ours),
+        "graphs": [[c.line() for c in graph] for graph in step.checked.graphs],
+        "modes": sorted({n.detail.mode for n in plan.nodes if hasattr(n.detail, "mode")}),
+        "algorithms": sorted({n.algorithm.name for n in plan.collectives() if n.algorithm}),
+        "summary": compiled.step_summary(),
+        "eager_reason": step.eager_reason,
+    }
+
+
+def _on_two_hosts() -> dict[str, Any]:
+    runtime = lamina.init(mesh="topology")
+    initial = build("mlp", seed=runtime.rank)  # four blocks: four units
+
+    def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch("mlp", k, runtime.rank)
+
+    runs = (("zero3", "sgd"), ("hsdp", "adamw"), ("dp", "adamw"))
+    return {f"{s}/{o}": _strategy_against_eager(s, o, initial, data, F.mse_loss) for s, o in runs}
+
+
+@pytest.fixture(scope="module")
+def topology_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("compiled") / "two_hosts_of_two.json"
+    path.write_text(json.dumps(two_hosts_of_two()))
+    return str(path)
+
+
+@pytest.mark.timeout(400)
+def test_zero3_hsdp_and_dp_compiled_steps_equal_eager_on_two_hosts_of_two(
+    topology_file: str,
+) -> None:
+    results = run_ranks(_on_two_hosts, 4, env={"LAMINA_TOPOLOGY": topology_file}, timeout=380)
+    for rank, by_run in enumerate(results):
+        for run, result in by_run.items():
+            assert result["eager_reason"] == "" and result["modes"] == ["compiled_step:aot_eager"]
+            assert result["loss"] <= TOLERANCE and result["param"] <= TOLERANCE, (rank, run, result)
+            assert len(result["graphs"]) == 1, (run, result)  # captured once, replayed
+            # the same collectives, in the same order, on every rank (the pre-flight check)
+            assert result["graphs"] == results[0][run]["graphs"], (rank, run)
+    zero3, hsdp, dp = (results[0][k] for k in ("zero3/sgd", "hsdp/adamw", "dp/adamw"))
+    assert zero3["algorithms"] == ["hierarchical"], zero3  # kept in the graph: two phases
+    assert any("over 2 ranks" in line for line in zero3["graphs"][0]), zero3
+    assert "gather again for backward -> kept gathered from its forward" in zero3["summary"]
+    assert any("all_reduce" in line for line in hsdp["graphs"][0]), hsdp  # across replicas
+    assert "hierarchical" in dp["algorithms"], dp
+
+
+# -- the GPT example with dropout, and a Hugging Face Llama ---------------------------------
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model: nn.Module = LlamaForCausalLM(config)
+    return model
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _language_models() -> dict[str, Any]:
+    runtime = lamina.init()
+    torch.manual_seed(runtime.rank)
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, dropout=0.2))
+    torch.manual_seed(runtime.rank)
+    llama = _llama()
+
+    def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch("gpt", k, runtime.rank)
+
+    return {
+        "gpt/zero3": _strategy_against_eager("zero3", "sgd", gpt, data, _lm_loss),
+        "llama/dp": _strategy_against_eager("dp", "adamw", llama, data, _lm_loss),
+    }
+
+
+@pytest.mark.timeout(400)
+def test_the_gpt_with_dropout_and_a_hugging_face_llama_compile_to_the_eager_step() -> None:
+    for result in run_ranks(_language_models, 2, timeout=380):
+        for run, outcome in result.items():
+            assert outcome["eager_reason"] == "", (run, outcome)
+            assert outcome["loss"] <= TOLERANCE and outcome["param"] <= TOLERANCE, (run, outcome)
+
+
+# -- graph breaks, named; the pre-flight check of the captured graphs -----------------------
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if os.environ.get("RANK", "0") == os.environ.get("BREAK_ON_RANK", "0"):
+            torch._dynamo.graph_break()  # a rank that cannot capture its step
+        return h
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.inner = _Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(self.first(x))
+        return out
+
+
+def test_a_graph_break_is_an_error_naming_the_module_and_the_operation() -> None:
+    lamina.init()
+    model = lamina.distribute(_Outer(), "dp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = lamina.compile_step(
+        model, optimizer, F.mse_loss, backend="aot_eager", on_graph_break="error"
+    )
+    with pytest.raises(ConfigError) as caught:
+        step(torch.randn(4, 16), torch.randn(4, 16))
+    message = str(caught.value)
+    assert "graph break in module 'inner' (_Inner.forward" in message, message
+    assert "torch._dynamo.graph_break()" in message and "on_graph_break='eager'" in message
+
+
+def _one_rank_breaks() -> str:
+    runtime = lamina.init()
+    model = lamina.distribute(_Outer(), "dp")
+    step = lamina.compile_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, backend="aot_eager"
+    )
+    try:
+        step(torch.randn(4, 16), torch.randn(4, 16))
+    except VerificationError as exc:
+        return str(exc)
+    return f"rank {runtime.rank} ran"
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_whose_capture_stops_is_named_by_the_preflight_check() -> None:
+    messages = run_ranks(_one_rank_breaks, 2, env={"BREAK_ON_RANK": "1"}, timeout=180)
+    for message in messages:
+        assert "differ from rank 0 in compiled_graph" in message, messages
+        assert "no graph: the capture stopped" in message, messages
+
+
+def test_a_zero3_parameter_no_forward_reaches_is_a_plan_fallback() -> None:
+    lamina.init()
+    torch.manual_seed(0)
+    model = lamina.distribute(WithUnused(), "zero3", min_unit_numel=0)
+    step = lamina.compile_step(
+        model, torch.optim.AdamW(model.parameters(), lr=0.1), F.mse_loss, backend="aot_eager"
+    )
+    for _ in range(2):
+        step(torch.randn(4, 16), torch.randn(4, 16))
+    taken = [f for f in model.execution_plan.fallbacks if f.taken and f.alternative == "eager"]
+    assert len(taken) == 1 and "2 parameter(s) no rank's forward reached" in taken[0].reason
+    assert "never.weight" in taken[0].reason

@@ -77,13 +77,13 @@ def test_train_gpt_loss_falls_and_reports_validation() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_train_gpt_with_the_compiled_step_loss_falls() -> None:
-    """``--compile step``: forward to AdamW's update as one graph (aot_eager: the capture
-    without Inductor's code generation), the LR schedule included."""
+def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
+    """``--compile step`` under zero3: gathers to AdamW's update as one graph (aot_eager:
+    the capture without Inductor's code generation), the LR schedule included."""
     tiny = ["--max-steps", "12", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "6", "--eval-batches", "2"]
     tiny += ["--compile", "step", "--compile-backend", "aot_eager", "--grad-clip", "0"]
-    result = torchrun("train_gpt.py", *tiny, "--corpus-mb", "1")
+    result = torchrun("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # the scheduler saw a step
     done = re.search(r"done: 12 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)

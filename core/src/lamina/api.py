@@ -10,11 +10,14 @@ from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
+from lamina.strategies.compiled.step import CompiledStep
 from lamina.strategies.contract import Placement
-from lamina.strategies.dp.compiled_step import CompiledStep
+from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
 from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.registry import get_strategy
 from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
+from lamina.strategies.zero3.compiled_step import ShardedCompiledStep
+from lamina.strategies.zero3.module import ShardedModule
 
 
 def distribute(
@@ -55,19 +58,40 @@ def compile_step(
     *,
     backend: str | Callable[..., Any] = "inductor",
     max_shapes: int = 2,
-) -> Callable[..., torch.Tensor]:
-    """The whole training step of ``model`` (distributed with ``dp``) as one captured
-    graph: ``loss = step(*inputs, target)`` runs the forward, ``loss_fn(output, target)``,
-    the backward, the plan's gradient all-reduces and ``optimizer``'s update (see
-    :mod:`lamina.strategies.dp.compiled_step`); ``backend`` is ``torch.compile``'s. What
-    cannot be captured runs the eager step, with the reason in ``step_summary()``; a new
-    input shape compiles again, counted, up to ``max_shapes`` shapes, and past that runs
-    eagerly with the reason."""
+    on_graph_break: str = "eager",
+    eager_random: bool = True,
+) -> CompiledStep:
+    """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
+    ``hsdp``) as one captured graph: ``loss = step(*inputs, target)`` runs the forward,
+    ``loss_fn(output, target)``, the backward, the plan's collectives and ``optimizer``'s
+    update (see :mod:`lamina.strategies.compiled.step`); ``backend`` is
+    ``torch.compile``'s. What cannot be captured runs the eager step, with the reason in
+    ``step_summary()`` (``on_graph_break="error"``: a graph break raises, naming the
+    module and the operation); a new input shape compiles again, counted, up to
+    ``max_shapes`` shapes, and past that runs eagerly with the reason. With
+    ``eager_random`` (the default) Inductor draws random numbers as eager does, so
+    dropout's masks are the eager step's; False lets it generate its own (other masks)."""
+    runtime = current()
+    control = runtime.control_group if runtime is not None else None
     state = getattr(model, "__dict__", {}).get("lamina_dp")
-    if not isinstance(state, DataParallelState):
-        strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
-        raise ConfigError(
-            f"compile_step takes a model distributed with 'dp' (this one: {strategy}); "
-            "call lamina.distribute(model, 'dp') first (zero3 and hsdp are not built yet)"
+    if isinstance(state, DataParallelState):
+        return DataParallelCompiledStep(
+            model,
+            state,
+            optimizer,
+            loss_fn,
+            backend,
+            max_shapes,
+            on_graph_break,
+            control,
+            eager_random,
         )
-    return CompiledStep(model, state, optimizer, loss_fn, backend, max_shapes)
+    if isinstance(model, ShardedModule):
+        return ShardedCompiledStep(
+            model, optimizer, loss_fn, backend, max_shapes, on_graph_break, control, eager_random
+        )
+    strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
+    raise ConfigError(
+        f"compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "
+        f"{strategy}); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
+    )

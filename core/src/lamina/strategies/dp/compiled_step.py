@@ -1,38 +1,32 @@
-"""The whole data-parallel step as one captured graph: :class:`CompiledStep`.
+"""The whole data-parallel step as one captured graph: :class:`DataParallelCompiledStep`.
 
 ``lamina.compile_step(model, optimizer, loss_fn)`` on a model distributed with ``dp``
-returns ``step``; ``loss = step(*inputs, target)``. The first call plans the model if it
-is not planned yet (lamina.distribute's sequence, from these inputs), then captures, with
-``torch.compile(fullgraph=True)``, one graph per rank holding:
+(the shared machinery: :mod:`lamina.strategies.compiled.step`). The first call plans the
+model if it is not planned yet (lamina.distribute's sequence, from these inputs), then
+captures one graph per rank holding:
 
 - the forward of the model's own class and the loss (``torch.func.functional_call``);
 - the backward (``torch.func.grad_and_value`` over the trainable parameters);
 - the plan's gradient all-reduces, one per bucket in the plan's order, each over the
   bucket's slots (read from the plan's nodes) as a traceable functional collective
   (``torch.distributed._functional_collectives``), then divided by the group size;
-- the optimizer's update, torch's own (:mod:`.functional_optim`), on its own state.
+- the optimizer's update, torch's own (:mod:`lamina.strategies.compiled.functional_optim`).
 
-Later calls replay it. Buffers are broadcast before each step, as the eager step does,
-outside the graph. The parameters' ``.grad`` stay unset (the gradients live in the
-graph) and the optimizer's step hooks do not run; LR schedulers work as with
-``optimizer.step()``. What cannot be captured runs the eager step (forward, backward with
-the reducer, ``optimizer.step()``), declared on the plan's ``forward`` node:
-
-- decided before the first call (``when="plan"``, taken, with the reason): an optimizer
-  whose update is not traced, parameters the captured forward did not use (the eager
-  step leaves their gradient ``None``), a codec or an algorithm other than ``flat`` on a
-  bucket (the graph issues plain all-reduces);
-- at the first call (``when="run"``, in the run log and ``step_summary()``): capture or
-  compilation raising (a graph break under ``fullgraph``, say), with the reason;
-- a new input shape compiles again (counted: ``recompiled`` in the run log and
-  ``step_summary()``) up to ``max_shapes`` shapes (default 2); a shape past that runs
-  the eager step, recorded with the reason each time, while the compiled ones replay.
+Buffers are broadcast before each step, as the eager step does, outside the graph. The
+parameters' ``.grad`` stay unset (the gradients live in the graph) and the optimizer's
+step hooks do not run; LR schedulers work as with ``optimizer.step()``. Decided before
+the first capture (a plan fallback on the ``forward`` node, with the reason): an
+optimizer whose update is not traced, parameters the captured forward did not use (the
+eager step leaves their gradient ``None``), a codec, or the ``ordered`` algorithm on a
+bucket. A bucket the plan gives the hierarchical (or pipelined) algorithm keeps it in the
+graph: reduce-scatter inside each host, all-reduce across the hosts, gather inside
+(:mod:`lamina.strategies.compiled.graph_algorithms`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,22 +35,26 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.func import functional_call, grad_and_value
 
+from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
-from lamina.errors import ConfigError, failure_reason
-from lamina.runtime import Compute, ExecutionPlan, Fallback
+from lamina.runtime import ExecutionPlan, RunLog
+from lamina.strategies.compiled.functional_optim import trained, unsupported_reason
+from lamina.strategies.compiled.graph_algorithms import (
+    hierarchical_all_reduce,
+    hierarchical_calls,
+)
+from lamina.strategies.compiled.graph_collectives import PlannedCall
+from lamina.strategies.compiled.step import CompiledStep, LossFn
 from lamina.strategies.contract import StepInputs
 from lamina.strategies.dp import plan as plan_dp
-from lamina.strategies.dp.functional_optim import FunctionalOptimizer, unsupported_reason
 from lamina.strategies.dp.planner import DataParallelState, seen_as
 
-#: The loss of a step from the model's output and the target.
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-#: What the plan's forward node declares the compiled step falls back to.
-EAGER = "eager"
+#: The bucket algorithms the graph issues as they are planned (``ordered`` renumbers a
+#: gloo ring outside torch's named groups, which functional collectives need).
+IN_GRAPH = ("flat", "hierarchical", "pipelined")
 
 
-class CompiledStep:
+class DataParallelCompiledStep(CompiledStep):
     """``loss = step(*inputs, target)``: one training step of a ``dp`` model (see the
     module docstring)."""
 
@@ -68,123 +66,60 @@ class CompiledStep:
         loss_fn: LossFn,
         backend: str | Callable[..., Any] = "inductor",
         max_shapes: int = 2,
+        on_graph_break: str = "eager",
+        control_group: dist.ProcessGroup | None = None,
+        eager_random: bool = True,
     ) -> None:
-        if not isinstance(max_shapes, int) or max_shapes < 1:
-            raise ConfigError(
-                f"compile_step: max_shapes={max_shapes!r}; pass how many input shapes to "
-                "compile (>= 1) before new ones run eagerly"
-            )
-        self.model = model
-        #: Input shapes compiled at most (then a new one runs the eager step).
-        self.max_shapes = max_shapes
-        self._shapes: list[tuple[tuple[tuple[int, ...], str], ...]] = []
+        super().__init__(
+            model,
+            optimizer,
+            loss_fn,
+            backend,
+            max_shapes,
+            on_graph_break,
+            control_group,
+            eager_random,
+        )
         self.state = state
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.backend = backend
-        self.mode = f"compiled_step:{backend if isinstance(backend, str) else 'custom'}"
-        #: Why the step runs eagerly ('' while it runs compiled).
-        self.eager_reason = ""
-        self._failed_at_run = False
-        self._functional = FunctionalOptimizer(optimizer)
-        self._compiled: Callable[..., Any] | None = None
         self._buckets: BucketPlan | None = None
 
-    # -- the user's call -------------------------------------------------------------------
-    def __call__(self, *args: Any) -> torch.Tensor:
-        """One step on ``args`` (the model's inputs, then the target); the loss."""
-        if len(args) < 2:
-            raise TypeError("step(*inputs, target): pass the model's inputs, then the target")
-        *inputs, target = args
+    @property
+    def plan(self) -> ExecutionPlan | None:
+        """The model's execution plan (None before it is planned)."""
+        return self.state.execution_plan
+
+    def _set_plan(self, plan: ExecutionPlan) -> None:
+        self.state.execution_plan = plan
+        self.run_log.plan = plan
+
+    @property
+    def run_log(self) -> RunLog:
+        """The model's run log."""
+        log = self.state.run_log
+        assert log is not None
+        return log
+
+    @property
+    def step_node(self) -> str:
+        """The plan's ``forward`` node."""
+        return plan_dp.FORWARD
+
+    def _warm_up(self, inputs: list[Any], target: Any) -> torch.Tensor | None:
+        """Plan from these inputs if the model is not planned yet (no eager step)."""
         state = self.state
         if state.execution_plan is None:  # lamina.distribute's sequence, from these inputs
             state.plan_and_build(StepInputs(tuple(inputs), {}))
         if self._buckets is None:
-            self._declare()
-        log = state.run_log
-        assert log is not None
-        if self.eager_reason:
-            return self._eager(inputs, target)
-        shape = _signature([*inputs, target])
-        new = shape not in self._shapes
-        if new and len(self._shapes) >= self.max_shapes:
-            loss = self._eager(inputs, target)
-            log.fallback(plan_dp.FORWARD, EAGER, self._past_bound(shape))
-            return loss
-        log.begin_step()
-        if state.broadcast_buffers:
-            state.broadcast_state(self.model, "forward")
-        try:
-            loss = self._replay(inputs, target)
-        except Exception as exc:
-            if not new:  # a captured graph that ran before failed: not a capture problem
-                raise
-            self.eager_reason = failure_reason(exc)
-            self._failed_at_run = True
-            return self._eager(inputs, target)
-        if new:
-            self._shapes.append(shape)
-            if len(self._shapes) > 1:
-                log.recompiled()
-        assert self._buckets is not None
-        for bucket in self._buckets.buckets:
-            log.issued(plan_dp.bucket_node(bucket.index))
-        log.end_backward()
-        # the optimizer stepped: an LR scheduler checks this mark of optimizer.step()
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return loss
+            plan = state.execution_plan
+            assert plan is not None and state.plan is not None
+            self._buckets = plan_dp.bucket_plan_of(plan, state.plan)
+        return None
 
-    # -- planning the graph ------------------------------------------------------------------
-    def _declare(self) -> None:
-        """The plan's nodes say the step is compiled, with its fallbacks; decide the
-        plan-time one."""
-        state = self.state
-        plan = state.execution_plan
-        assert plan is not None and state.plan is not None
-        self._buckets = plan_dp.bucket_plan_of(plan, state.plan)
-        reason = self._plan_time_reason(plan)
-        fallbacks = [
-            Fallback(
-                plan_dp.FORWARD,
-                self.mode,
-                EAGER,
-                "the optimizer's update is not traced, a parameter is unused, or a bucket "
-                "has a codec or an algorithm",
-                when="plan",
-                taken=bool(reason),
-                reason=reason,
-            ),
-            Fallback(
-                plan_dp.FORWARD,
-                self.mode,
-                EAGER,
-                "capturing or compiling the step raises (a graph break, say)",
-                when="run",
-            ),
-            Fallback(
-                plan_dp.FORWARD,
-                self.mode,
-                EAGER,
-                f"an input shape past the {self.max_shapes} compiled ones (max_shapes=)",
-                when="run",
-            ),
-        ]
-        mode = EAGER if reason else self.mode
-        nodes = tuple(
-            dataclasses.replace(n, detail=dataclasses.replace(n.detail, mode=mode))
-            if isinstance(n.detail, Compute)
-            else n
-            for n in plan.nodes
+    def _plan_fallback_cases(self) -> str:
+        return (
+            "the optimizer's update is not traced, a parameter is unused, or a bucket "
+            "has a codec or the ordered algorithm"
         )
-        declared = dataclasses.replace(
-            plan.with_nodes(nodes), fallbacks=(*plan.fallbacks, *fallbacks)
-        )
-        state.execution_plan = declared
-        assert state.run_log is not None
-        state.run_log.plan = declared
-        self.eager_reason = reason
-        if not reason:
-            self._functional.init_state()
 
     def _plan_time_reason(self, plan: ExecutionPlan) -> str:
         """Why the step cannot be one graph, known before the first call ('' if it can)."""
@@ -200,32 +135,53 @@ class CompiledStep:
         for node in plan.collectives():
             if node.codec is not None:
                 return f"bucket node {node.id} has codec {node.codec.name}"
-            if node.algorithm is not None and node.algorithm.name != "flat":
+            if node.algorithm is not None and node.algorithm.name not in IN_GRAPH:
                 return f"bucket node {node.id} runs {node.algorithm.describe()}"
         return ""
 
-    def _past_bound(self, shape: tuple[tuple[tuple[int, ...], str], ...]) -> str:
-        """Why a step with input ``shape`` runs eagerly."""
-        shown = ", ".join(f"{list(dims)}" for dims, _ in shape)
-        return (
-            f"input shapes {shown} would compile a graph past max_shapes={self.max_shapes}; "
-            "the compiled shapes replay, this one runs eagerly"
-        )
+    def _algorithm(self, bucket: Bucket) -> tuple[str, int]:
+        """The plan's algorithm of ``bucket`` and its chunks (``flat``, 1 without one)."""
+        plan = self.plan
+        assert plan is not None
+        fact = plan.node(plan_dp.bucket_node(bucket.index)).algorithm
+        if fact is None:
+            return "flat", 1
+        return fact.name, fact.chunks
 
-    # -- running ---------------------------------------------------------------------------
-    def _replay(self, inputs: list[Any], target: Any) -> torch.Tensor:
-        """The captured step (captured at the first call)."""
-        if self._compiled is None:
-            self._compiled = torch.compile(self._step, backend=self.backend, fullgraph=True)
-        params, buffers, grouped = self._arguments()
-        lrs = self._functional.learning_rates()
+    def _hosts(self) -> tuple[AlgorithmGroups, int, bool]:
+        """The hierarchical algorithms' groups, ranks per host, and whether the backend's
+        own reduce-scatter and gather serve (else gloo's forms)."""
+        groups = self.state.algorithm_groups
+        assert groups is not None
+        return groups, groups.layout.per_host, groups.pg_backend != "gloo"
+
+    def _planned_calls(self) -> list[PlannedCall]:
+        if len(self.state.ranks) == 1 or self._buckets is None:
+            return []
+        calls: list[PlannedCall] = []
+        for bucket in self._buckets.buckets:
+            node = plan_dp.bucket_node(bucket.index)
+            name, chunks = self._algorithm(bucket)
+            if name == "flat":
+                calls.append(PlannedCall(node, "all_reduce", bucket.numel))
+                continue
+            _, local, native = self._hosts()
+            calls += hierarchical_calls(node, bucket.numel, local, native, chunks)
+        return calls
+
+    def _issued(self) -> list[str]:
+        return list(dict.fromkeys(c.node for c in self._planned_calls()))
+
+    def _before_replay(self) -> None:
+        if self.state.broadcast_buffers:
+            self.state.broadcast_state(self.model, "forward")
+
+    @contextmanager
+    def _replaying(self) -> Iterator[None]:
         with seen_as(self.model, self.state.model_class):  # the traced forward: the model's
-            loss: torch.Tensor = self._compiled(params, buffers, grouped, lrs, inputs, target)
-        return loss
+            yield
 
-    def _arguments(
-        self,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[list[str]]]:
+    def _arguments(self) -> tuple[Any, ...]:
         """The trainable parameters and the buffers by name, and each optimizer group's
         parameter names."""
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -233,19 +189,14 @@ class CompiledStep:
             n: p for n, p in self.model.named_parameters() if p.requires_grad
         }
         buffers = dict(self.model.named_buffers())
-        grouped = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        return params, buffers, grouped
+        grouped = [[names[id(p)] for p in trained(g)] for g in self.optimizer.param_groups]
+        return params, buffers, grouped, self._functional.tensors()
 
-    def _step(
-        self,
-        params: dict[str, torch.Tensor],
-        buffers: dict[str, torch.Tensor],
-        grouped: list[list[str]],
-        lrs: list[torch.Tensor],
-        inputs: list[Any],
-        target: Any,
+    def _graph(
+        self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
     ) -> torch.Tensor:
         """Forward, loss, backward, the plan's all-reduces, the update: what is captured."""
+        params, buffers, grouped, updated = arguments
         model, loss_fn = self.model, self.loss_fn
 
         def loss_of(trained: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -255,7 +206,7 @@ class CompiledStep:
 
         grads, loss = grad_and_value(loss_of)(params)
         averaged = self._all_reduced(grads)
-        self._functional.update([[averaged[n] for n in names] for names in grouped], lrs)
+        self._functional.update(updated, [[averaged[n] for n in names] for names in grouped], lrs)
         detached: torch.Tensor = loss.detach()
         return detached
 
@@ -271,22 +222,18 @@ class CompiledStep:
             return out
         for bucket in self._buckets.buckets:
             flat = torch.cat(_packed(grads, bucket))
-            summed = funcol.all_reduce(flat, "sum", group if group is not None else world)
+            name, chunks = self._algorithm(bucket)
+            if name == "flat":
+                summed = funcol.all_reduce(flat, "sum", group if group is not None else world)
+            else:
+                hosts, local, native = self._hosts()
+                summed = hierarchical_all_reduce(
+                    flat, hosts.intra, hosts.inter, local, native, chunks
+                )
             mean = summed / size
             for slot in bucket.slots:
                 out[slot.name] = mean[slot.offset : slot.offset + slot.numel].view(slot.shape)
         return out
-
-    def _eager(self, inputs: list[Any], target: Any) -> torch.Tensor:
-        """The eager step: the planned forward, backward with the reducer, the optimizer;
-        a run-time fallback is recorded in every step it is taken."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(*inputs), target)
-        loss.backward()  # type: ignore[no-untyped-call]
-        self.optimizer.step()
-        if self._failed_at_run and self.state.run_log is not None:
-            self.state.run_log.fallback(plan_dp.FORWARD, EAGER, self.eager_reason)
-        return loss.detach()
 
 
 def _packed(grads: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor]:
@@ -303,8 +250,3 @@ def _packed(grads: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor
     if bucket.numel > cursor:
         pieces.append(pieces[-1].new_zeros(bucket.numel - cursor))
     return pieces
-
-
-def _signature(values: list[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
-    """The shapes and dtypes of the step's tensor arguments (what a new graph is for)."""
-    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))

@@ -1,0 +1,315 @@
+"""What every compiled step shares: :class:`CompiledStep`.
+
+``loss = step(*inputs, target)``. The first call plans the model if it is not planned yet
+(a strategy may run this first step eagerly: ZeRO-3 records its units' order there),
+declares on the plan that the step is compiled, with its fallbacks, and captures, with
+``torch.compile(fullgraph=True)``, one graph per rank of what the strategy's
+:meth:`CompiledStep._graph` does: forward, loss, backward, the plan's collectives as
+functional collectives, the optimizer's update. The capture goes through
+:class:`~.graph_collectives.CheckedBackend`: the graph's collectives are checked against
+the plan's and across ranks before it first runs. Later calls replay it.
+
+Declared fallbacks, on the plan's step node (:attr:`CompiledStep.step_node`):
+
+- before the first replay (``when="plan"``, taken with the reason): what the strategy
+  finds it cannot put in the graph (an optimizer whose update is not traced, a codec...);
+- at the first call (``when="run"``): the capture raising, a graph break under
+  ``fullgraph`` above all, with the module and the operation it stopped at
+  (``on_graph_break="error"`` raises that as a ``ConfigError`` instead);
+- a new input shape compiles again (counted: ``recompiled`` in the run log, the trace and
+  ``step_summary()``) up to ``max_shapes`` shapes; a shape past that runs the eager
+  step, recorded with the reason each time, while the compiled shapes replay.
+
+The compile time of each new shape is kept (:attr:`CompiledStep.compile_seconds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lamina.errors import ConfigError
+from lamina.runtime import Compute, ExecutionPlan, Fallback, RunLog
+from lamina.strategies.compiled.functional_optim import FunctionalOptimizer
+from lamina.strategies.compiled.graph_break import graph_break_reason
+from lamina.strategies.compiled.graph_collectives import (
+    CheckedBackend,
+    PlannedCall,
+    verification_error,
+)
+
+#: The loss of a step from the model's output and the target.
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: What the plan's step node declares the compiled step falls back to.
+EAGER = "eager"
+
+#: What a graph break does: run the eager step (declared) or raise.
+GRAPH_BREAK_CHOICES = ("eager", "error")
+
+Signature = tuple[tuple[tuple[int, ...], str], ...]
+
+
+class CompiledStep(ABC):
+    """``loss = step(*inputs, target)``: one training step as one captured graph (see
+    the module docstring). A strategy's subclass says what the graph holds."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        backend: str | Callable[..., Any] = "inductor",
+        max_shapes: int = 2,
+        on_graph_break: str = "eager",
+        control_group: dist.ProcessGroup | None = None,
+        eager_random: bool = True,
+    ) -> None:
+        if not isinstance(max_shapes, int) or max_shapes < 1:
+            raise ConfigError(
+                f"compile_step: max_shapes={max_shapes!r}; pass how many input shapes to "
+                "compile (>= 1) before new ones run eagerly"
+            )
+        if on_graph_break not in GRAPH_BREAK_CHOICES:
+            raise ConfigError(
+                f"compile_step: on_graph_break={on_graph_break!r}; pass 'eager' (run the "
+                "eager step, declared) or 'error'"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.backend = backend
+        #: Input shapes compiled at most (then a new one runs the eager step).
+        self.max_shapes = max_shapes
+        self.on_graph_break = on_graph_break
+        self.mode = f"compiled_step:{backend if isinstance(backend, str) else 'custom'}"
+        #: Why the step runs eagerly ('' while it runs compiled).
+        self.eager_reason = ""
+        #: Seconds each new input shape took to capture, compile and run once.
+        self.compile_seconds: list[float] = []
+        self.checked = CheckedBackend(backend, self._planned_calls, control_group, eager_random)
+        self._functional = FunctionalOptimizer(optimizer)
+        self._shapes: list[Signature] = []
+        self._failed_at_run = False
+        self._declared = False
+        self._compiled: Callable[..., Any] | None = None
+
+    # -- what a strategy says ----------------------------------------------------------------
+    @property
+    @abstractmethod
+    def plan(self) -> ExecutionPlan | None:
+        """The model's execution plan (None before it is planned)."""
+
+    @abstractmethod
+    def _set_plan(self, plan: ExecutionPlan) -> None:
+        """Replace the model's plan (and its run log's) by ``plan``."""
+
+    @property
+    @abstractmethod
+    def run_log(self) -> RunLog:
+        """The model's run log."""
+
+    @property
+    @abstractmethod
+    def step_node(self) -> str:
+        """The plan node the step's fallbacks are declared on."""
+
+    @abstractmethod
+    def _warm_up(self, inputs: list[Any], target: Any) -> torch.Tensor | None:
+        """Plan the model if needed; the loss if this call ran the eager step instead."""
+
+    @abstractmethod
+    def _plan_time_reason(self, plan: ExecutionPlan) -> str:
+        """Why the step cannot be one graph, known before the capture ('' if it can)."""
+
+    @abstractmethod
+    def _planned_calls(self) -> Sequence[PlannedCall]:
+        """The collective calls the graph issues, in the plan's order."""
+
+    @abstractmethod
+    def _arguments(self) -> tuple[Any, ...]:
+        """The tensors the graph reads and updates (its inputs besides the batch)."""
+
+    @abstractmethod
+    def _graph(
+        self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
+    ) -> torch.Tensor:
+        """Forward, loss, backward, the plan's collectives, the update: what is captured."""
+
+    @abstractmethod
+    def _issued(self) -> Sequence[str]:
+        """The plan's collective nodes one replay issues (recorded in the run log)."""
+
+    def _declared_plan(self, plan: ExecutionPlan, fallbacks: list[Fallback]) -> ExecutionPlan:
+        """``plan`` with its compute nodes in the step's mode and ``fallbacks`` added."""
+        mode = EAGER if self.eager_reason else self.mode
+        nodes = tuple(
+            dataclasses.replace(n, detail=dataclasses.replace(n.detail, mode=mode))
+            if isinstance(n.detail, Compute)
+            else n
+            for n in plan.nodes
+        )
+        return dataclasses.replace(plan.with_nodes(nodes), fallbacks=(*plan.fallbacks, *fallbacks))
+
+    @contextmanager
+    def _replaying(self) -> Iterator[None]:
+        """Around each replay (the model seen as its own class, say)."""
+        yield
+
+    def _before_replay(self) -> None:  # noqa: B027  (optional, empty by default)
+        """Before each replay, outside the graph (buffers broadcast, say)."""
+
+    def _plan_fallback_cases(self) -> str:
+        """What the plan-time fallback covers, in words."""
+        return "the optimizer's update is not traced, or the plan has what the graph cannot issue"
+
+    # -- the user's call -------------------------------------------------------------------
+    def __call__(self, *args: Any) -> torch.Tensor:
+        """One step on ``args`` (the model's inputs, then the target); the loss."""
+        if len(args) < 2:
+            raise TypeError("step(*inputs, target): pass the model's inputs, then the target")
+        *inputs, target = args
+        warm = self._warm_up(inputs, target)
+        if warm is not None:
+            return warm
+        if not self._declared:
+            self._declare()
+        if self.eager_reason:
+            return self.eager_step(inputs, target)
+        shape = _signature([*inputs, target])
+        new = shape not in self._shapes
+        log = self.run_log
+        if new and len(self._shapes) >= self.max_shapes:
+            loss = self.eager_step(inputs, target)
+            log.fallback(self.step_node, EAGER, self._past_bound(shape))
+            return loss
+        log.begin_step()
+        self._before_replay()
+        started, entered = time.perf_counter(), self.checked.entered
+        try:
+            with log.compute("compile" if new else "compiled step"):
+                loss = self._replay(inputs, target)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if not new:  # a captured graph that ran before failed: not a capture problem
+                raise
+            self._capture_failed(exc, reached_backend=self.checked.entered > entered)
+            return self.eager_step(inputs, target)
+        if new:
+            self.compile_seconds.append(time.perf_counter() - started)
+            self._shapes.append(shape)
+            if len(self._shapes) > 1:
+                log.recompiled()
+        for node in self._issued():
+            log.issued(node)
+        log.end_backward()
+        # the optimizer stepped: an LR scheduler checks this mark of optimizer.step()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return loss
+
+    def _capture_failed(self, exc: Exception, reached_backend: bool) -> None:
+        """The capture or compilation of a new shape raised (an error of the graph's run
+        is raised as it is). A cross-rank mismatch is raised; a graph break, agreed on
+        with the other ranks, raises (``on_graph_break="error"``) or is the declared
+        eager fallback."""
+        mismatch = verification_error(exc)
+        if mismatch is not None:
+            raise mismatch from exc
+        reason = graph_break_reason(self.model, exc)
+        if not reached_backend:  # the other ranks compare their graphs with this outcome
+            self.checked.capture_failed(reason)
+        if self.on_graph_break == "error":
+            raise ConfigError(
+                f"compile_step could not capture the step: {reason}; make that operation "
+                "traceable, or pass on_graph_break='eager' to run the step eagerly"
+            ) from exc
+        self.eager_reason = reason
+        self._failed_at_run = True
+
+    # -- planning the graph ------------------------------------------------------------------
+    def _declare(self) -> None:
+        """The plan's nodes say the step is compiled, with its fallbacks; decide the
+        plan-time one."""
+        plan = self.plan
+        assert plan is not None
+        reason = self._plan_time_reason(plan)
+        self.eager_reason = reason
+        node = self.step_node
+        fallbacks = [
+            Fallback(
+                node,
+                self.mode,
+                EAGER,
+                self._plan_fallback_cases(),
+                when="plan",
+                taken=bool(reason),
+                reason=reason,
+            ),
+            Fallback(
+                node,
+                self.mode,
+                EAGER,
+                "capturing or compiling the step raises (a graph break, say)",
+                when="run",
+            ),
+            Fallback(
+                node,
+                self.mode,
+                EAGER,
+                f"an input shape past the {self.max_shapes} compiled ones (max_shapes=)",
+                when="run",
+            ),
+        ]
+        self._set_plan(self._declared_plan(plan, fallbacks))
+        self._declared = True
+        if not reason:
+            self._functional.init_state()
+
+    def _past_bound(self, shape: Signature) -> str:
+        """Why a step with input ``shape`` runs eagerly."""
+        shown = ", ".join(f"{list(dims)}" for dims, _ in shape)
+        return (
+            f"input shapes {shown} would compile a graph past max_shapes={self.max_shapes}; "
+            "the compiled shapes replay, this one runs eagerly"
+        )
+
+    # -- running ---------------------------------------------------------------------------
+    def _replay(self, inputs: list[Any], target: Any) -> torch.Tensor:
+        """The captured step (captured at the first call of each shape)."""
+        if self._compiled is None:
+            self._compiled = torch.compile(
+                self._traced, backend=self.checked, fullgraph=True, dynamic=False
+            )
+        arguments = self._arguments()
+        lrs = self._functional.learning_rates()
+        with self._replaying():
+            loss: torch.Tensor = self._compiled(arguments, lrs, inputs, target)
+        return loss
+
+    def _traced(
+        self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
+    ) -> torch.Tensor:
+        return self._graph(arguments, lrs, inputs, target)
+
+    def eager_step(self, inputs: Sequence[Any], target: Any) -> torch.Tensor:
+        """The eager step: the model's forward, backward, the optimizer; a run-time
+        fallback is recorded in every step it is taken."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(*inputs), target)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        if self._failed_at_run:
+            self.run_log.fallback(self.step_node, EAGER, self.eager_reason)
+        return loss.detach()
+
+
+def _signature(values: list[Any]) -> Signature:
+    """The shapes and dtypes of the step's tensor arguments (what a new graph is for)."""
+    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
