@@ -7,8 +7,12 @@ Parts (each recorded with its outcome, so one failure does not hide the others):
 - ``training``: one rank, a GPT (~150M parameters on a GPU; a tiny one with ``--device
   cpu``) under the plain model, lamina DP, torch DDP, lamina ZeRO-3 and torch FSDP2, in
   fp32 and under bf16 autocast, plus bf16 mixed precision (ZeRO-3's ``param_dtype``
-  against FSDP2's ``MixedPrecisionPolicy``): median step time and peak device memory of
-  each, and its ratio to the plain model;
+  against FSDP2's ``MixedPrecisionPolicy``), and compiled: ``lamina.compile_step`` on DP
+  and ZeRO-3 (fp32 and autocast) against ``torch.compile`` under DDP and FSDP2 with
+  ``torch.compile`` per block (Inductor; ``aot_eager`` with ``--device cpu``, where
+  Inductor's C++ build would take minutes): median step time and peak device memory of
+  each (a compiled variant's compile falls in its warm-up steps), and its ratio to the
+  plain model;
 - ``shared_device``: the multi-rank tests that run two ranks on one device
   (``LAMINA_SHARE_DEVICE=1``, collectives on gloo): DP and ZeRO-3 against DDP, on the
   backend ``LAMINA_TEST_BACKEND`` names (the test configuration pins ``LAMINA_BACKEND``
@@ -65,7 +69,15 @@ VARIANTS = (
     ("fsdp2_autocast", "fsdp2", "autocast"),
     ("zero3_bf16_params", "zero3", "mixed"),
     ("fsdp2_bf16_params", "fsdp2", "mixed"),
+    ("dp_step", "dp_step", "fp32"),
+    ("zero3_step", "zero3_step", "fp32"),
+    ("ddp_compiled", "ddp_compiled", "fp32"),
+    ("fsdp2_compiled", "fsdp2_compiled", "fp32"),
+    ("dp_step_autocast", "dp_step", "autocast"),
+    ("zero3_step_autocast", "zero3_step", "autocast"),
 )
+#: The compiler backend of the compiled variants, per device.
+COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
 #: The shared-device tests (two ranks on one device).
 SHARED_TESTS = ("tests/test_shared_device.py",)
 
@@ -81,12 +93,18 @@ def wrap(strategy: str, precision: str, model: nn.Module) -> nn.Module:
 
     if strategy == "plain":
         return model
-    if strategy == "dp":
+    if strategy in ("dp", "dp_step"):
         return lamina.distribute(model, "dp")
-    if strategy == "ddp":
+    if strategy in ("ddp", "ddp_compiled"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model)
+        ddp = DDP(model)
+        if strategy == "ddp":
+            return ddp
+        compiled: nn.Module = torch.compile(ddp, backend=COMPILE_BACKEND[_device_of(model)])  # type: ignore[assignment]
+        return compiled
+    if strategy == "zero3_step":
+        return lamina.distribute(model, "zero3")
     if strategy == "zero3":
         dtype = torch.bfloat16 if precision == "mixed" else None
         return lamina.distribute(model, "zero3", param_dtype=dtype)
@@ -100,8 +118,14 @@ def wrap(strategy: str, precision: str, model: nn.Module) -> nn.Module:
         kwargs["mp_policy"] = policy
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, **kwargs)
+        if strategy == "fsdp2_compiled":
+            block.compile(backend=COMPILE_BACKEND[_device_of(model)])
     fully_shard(model, **kwargs)
     return model
+
+
+def _device_of(model: nn.Module) -> str:
+    return next(model.parameters()).device.type
 
 
 def time_variant(
@@ -123,8 +147,13 @@ def time_variant(
         def autocast() -> contextlib.AbstractContextManager[Any]:
             return torch.autocast(runtime.device.type, dtype=torch.bfloat16)
 
+    captured = (
+        lamina.compile_step(model, opt, lm_loss, backend=COMPILE_BACKEND[device])
+        if strategy.endswith("_step")
+        else None
+    )
     times = []
-    for step in range(steps + 2):  # 2 warm-up steps
+    for step in range(steps + 2):  # 2 warm-up steps (ZeRO-3's step compiles at its second)
         if step == 2:
             handle.reset_peak_memory()
         gen = torch.Generator().manual_seed(step)
@@ -132,10 +161,14 @@ def time_variant(
         handle.synchronize()
         start = time.perf_counter()
         with autocast():
-            loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            if captured is not None:
+                loss = captured(idx[:, :-1], idx[:, 1:])
+            else:
+                loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        if captured is None:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         handle.synchronize()
         if step >= 2:
             times.append(time.perf_counter() - start)

@@ -275,7 +275,7 @@ def _on_two_hosts() -> dict[str, Any]:
     def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return batch("mlp", k, runtime.rank)
 
-    runs = (("zero3", "sgd"), ("hsdp", "adamw"), ("dp", "adamw"))
+    runs = [(s, o) for s in ("zero3", "hsdp", "dp") for o in ("sgd", "adamw")]
     return {f"{s}/{o}": _strategy_against_eager(s, o, initial, data, F.mse_loss) for s, o in runs}
 
 
@@ -423,3 +423,57 @@ def test_a_zero3_parameter_no_forward_reaches_is_a_plan_fallback() -> None:
     taken = [f for f in model.execution_plan.fallbacks if f.taken and f.alternative == "eager"]
     assert len(taken) == 1 and "2 parameter(s) no rank's forward reached" in taken[0].reason
     assert "never.weight" in taken[0].reason
+
+
+def test_device_graphs_say_why_a_step_launches_kernel_by_kernel() -> None:
+    runtime = lamina.init()
+    from lamina.strategies.compiled.device_graph import DeviceGraphs
+
+    cpu = DeviceGraphs(runtime.handle, True, "inductor")
+    assert cpu.reason == runtime.handle.graph_capture_reason() and "cpu" in cpu.reason
+    assert cpu.device is None  # the step's small tensors stay where they are
+    assert DeviceGraphs(runtime.handle, False, "inductor").reason == "device_graphs=False"
+    assert DeviceGraphs(None, True, "inductor").reason == "no lamina runtime: the device is unknown"
+    model = lamina.distribute(_Net(), "dp")
+    step = lamina.compile_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, backend="aot_eager"
+    )
+    step(torch.randn(4, 16), torch.randn(4, 4))
+    meta = dict(model.execution_plan.meta)
+    assert meta["device_graphs"] == f"no: {runtime.handle.graph_capture_reason()}"
+
+
+def test_more_compiled_steps_than_torch_compiles_per_function_each_keep_their_graph() -> None:
+    """torch.compile caches graphs per code object, 8 by default: each step has its own."""
+    lamina.init()
+    steps = []
+    for _ in range(10):
+        model = lamina.distribute(_Net(), "dp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps.append(lamina.compile_step(model, opt, F.mse_loss, backend="aot_eager"))
+    for _ in range(2):
+        for step in steps:
+            step(torch.randn(4, 16), torch.randn(4, 4))
+    assert all(s.eager_reason == "" and len(s.checked.graphs) == 1 for s in steps), [
+        s.eager_reason for s in steps
+    ]
+
+
+def test_a_zero3_unit_with_a_frozen_parameter_compiles_to_the_eager_step() -> None:
+    lamina.init()
+    initial = build("mlp", seed=0)
+    initial.layers[1].weight.requires_grad_(False)  # type: ignore[index]
+    models = [lamina.distribute(copy.deepcopy(initial), "zero3", min_unit_numel=0) for _ in "ab"]
+    eager, compiled = models
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    step = lamina.compile_step(compiled, opts[1], F.mse_loss, backend="aot_eager")
+    for k in range(3):
+        x, y = batch("mlp", k, 0)
+        step(x, y)
+        opts[0].zero_grad(set_to_none=True)
+        F.mse_loss(eager(x), y).backward()
+        opts[0].step()
+    assert step.eager_reason == "" and len(step.checked.graphs) == 1
+    ours, theirs = full_params(compiled), full_params(eager)
+    assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) <= TOLERANCE
+    assert torch.equal(ours["layers.1.weight"], initial.layers[1].weight)  # type: ignore[index]

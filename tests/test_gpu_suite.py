@@ -28,6 +28,7 @@ def test_the_gpu_suite_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     training = results["training"]
     assert training["outcome"] == "ok"
     assert set(training["variants"]) >= {"dp", "ddp", "zero3", "fsdp2", "zero3_bf16_params"}
+    assert {"dp_step", "zero3_step", "ddp_compiled", "fsdp2_compiled"} <= set(training["variants"])
     assert all(v["median_step_s"] > 0 for v in training["variants"].values())
     shared = results["shared_device"]
     assert shared["counts"] == {"passed": 2}

@@ -60,6 +60,8 @@ def compile_step(
     max_shapes: int = 2,
     on_graph_break: str = "eager",
     eager_random: bool = True,
+    device_graphs: bool = True,
+    overlap: bool = False,
 ) -> CompiledStep:
     """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
     ``hsdp``) as one captured graph: ``loss = step(*inputs, target)`` runs the forward,
@@ -70,9 +72,14 @@ def compile_step(
     module and the operation); a new input shape compiles again, counted, up to
     ``max_shapes`` shapes, and past that runs eagerly with the reason. With
     ``eager_random`` (the default) Inductor draws random numbers as eager does, so
-    dropout's masks are the eager step's; False lets it generate its own (other masks)."""
+    dropout's masks are the eager step's; False lets it generate its own (other masks).
+    With ``device_graphs`` (the default), where the device captures a step (CUDA graphs)
+    each compiled shape is replayed as one device graph from its second call. With
+    ``overlap``, Inductor issues each collective as soon as its input is computed (DP's
+    buckets where their last gradient is produced) and waits for it as late as it can."""
     runtime = current()
     control = runtime.control_group if runtime is not None else None
+    handle = runtime.handle if runtime is not None else None
     state = getattr(model, "__dict__", {}).get("lamina_dp")
     if isinstance(state, DataParallelState):
         return DataParallelCompiledStep(
@@ -85,10 +92,23 @@ def compile_step(
             on_graph_break,
             control,
             eager_random,
+            handle,
+            device_graphs,
+            overlap,
         )
     if isinstance(model, ShardedModule):
         return ShardedCompiledStep(
-            model, optimizer, loss_fn, backend, max_shapes, on_graph_break, control, eager_random
+            model,
+            optimizer,
+            loss_fn,
+            backend,
+            max_shapes,
+            on_graph_break,
+            control,
+            eager_random,
+            handle,
+            device_graphs,
+            overlap,
         )
     strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
     raise ConfigError(

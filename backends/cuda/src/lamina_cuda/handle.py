@@ -13,8 +13,9 @@ from typing import Any, cast
 import torch
 
 from lamina.device.accelerator import AcceleratorHandle
-from lamina.device.handle import Event, Stream, torch_dtypes_by_name
+from lamina.device.handle import CapturedStep, Event, Stream, torch_dtypes_by_name
 from lamina.device.torch_streams import TorchEvent, TorchStream
+from lamina.errors import NotSupportedError
 
 __all__ = ["FP8_MIN_CAPABILITY", "CudaEvent", "CudaHandle", "CudaStream"]
 
@@ -64,6 +65,18 @@ def _device(device: torch.device | int | None) -> torch.device | int | None:
     return device
 
 
+class CudaCapturedStep(CapturedStep):
+    """A step captured as a CUDA graph."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: Any) -> None:
+        self.graph = graph
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        """Launch the whole graph at once on the current stream."""
+        self.graph.replay()
+
+
 class CudaHandle(AcceleratorHandle):
     """DeviceHandle over ``torch.accelerator`` (device, synchronization, memory figures;
     ``torch.cuda`` where an older torch lacks them) and ``torch.cuda`` streams and events."""
@@ -99,6 +112,30 @@ class CudaHandle(AcceleratorHandle):
 
     def set_rng_state(self, state: torch.Tensor, device: torch.device | None = None) -> None:
         torch.cuda.set_rng_state(state, device if device is not None else "cuda")
+
+    def graph_capture_reason(self) -> str:
+        """'' where a GPU is visible: CUDA graphs capture a step's kernels."""
+        if not torch.cuda.is_available():
+            return "CUDA graphs need a visible GPU; torch.cuda.is_available() is False"
+        return ""
+
+    def capture_step(self, step: Callable[[], Any], warmup: int = 2) -> CapturedStep:
+        """``step`` as a ``torch.cuda.CUDAGraph``: ``warmup`` calls on a side stream (as
+        CUDA graphs want: the allocator and lazy initializations settle there), then one
+        captured call."""
+        reason = self.graph_capture_reason()
+        if reason:
+            raise NotSupportedError(reason)
+        side = _new_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+        return CudaCapturedStep(graph, outputs)
 
     def supported_dtypes(self) -> frozenset[torch.dtype]:
         """fp16; bf16 where torch says the GPU supports it; fp8 from compute capability 8.9."""

@@ -70,6 +70,13 @@ class NpuHandle(AcceleratorHandle):
     def __init__(self) -> None:
         self._npu = npu_runtime()
 
+    def graph_capture_reason(self) -> str:
+        """lamina does not capture NPU graphs (the toolkit's graph mode is torchair's)."""
+        return (
+            "lamina does not capture npu graphs (the CANN graph mode is torchair's backend, "
+            "not wired in); the step launches op by op"
+        )
+
     def vendor(self) -> Any:
         """``torch.npu``."""
         return self._npu

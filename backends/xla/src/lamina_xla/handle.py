@@ -109,6 +109,13 @@ class XlaHandle(DeviceHandle):
         self.visible_devices_env = VISIBLE_DEVICES_ENV.get(pjrt_device_type or "")
         self._dtypes: frozenset[torch.dtype] | None = None
 
+    def graph_capture_reason(self) -> str:
+        """XLA needs no capture: it traces each step lazily and compiles it as one graph."""
+        return (
+            "xla traces each step into one graph and compiles it (torch_xla's lazy tensors); "
+            "there is no separate capture to replay"
+        )
+
     # -- devices -----------------------------------------------------------------------
     def device_count(self) -> int:
         """Devices this process addresses (starts the PJRT runtime on first call)."""

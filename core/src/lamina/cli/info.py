@@ -87,6 +87,7 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
         "selected_backend": None,
         "selection_error": None,
         "devices": None,
+        "graph_capture": None,
         "topology": None,
     }
     try:
@@ -97,6 +98,8 @@ def collect_info(registry: PluginRegistry) -> dict[str, Any]:
     report["selected_backend"] = backend.name
     handle = backend.handle()
     report["devices"] = {"type": backend.device_type, "count": handle.device_count()}
+    reason = handle.graph_capture_reason()
+    report["graph_capture"] = {"supported": not reason, "reason": reason}
     host = registry.discover_host(backend, 0, 1)
     report["topology"] = {
         "host": host.host,
@@ -196,6 +199,9 @@ def render_info(report: dict[str, Any], console: Console) -> None:
         f"selected backend: [bold]{report['selected_backend']}[/bold] "
         f"({devices['count']} {devices['type']} device(s))"
     )
+    capture = report["graph_capture"]
+    shown = "supported" if capture["supported"] else f"not supported ({capture['reason']})"
+    console.print(f"graph capture of a step (compile_step replays it): {shown}", soft_wrap=True)
     topo = report["topology"]
     numa = ", ".join(f"node{k}: {v}" for k, v in topo["numa_nodes"].items()) or "none reported"
     console.print(f"host {topo['host']}: NUMA {numa}; {topo['local_links']} local link(s)")

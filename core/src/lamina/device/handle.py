@@ -8,11 +8,14 @@ Everything above the device layer talks to devices only through this contract.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+
+from lamina.errors import NotSupportedError
 
 #: Where a memory figure comes from: the device allocator, or the whole host process.
 MemoryScope = Literal["device", "process"]
@@ -89,6 +92,22 @@ REDUCED_PRECISION_DTYPES: tuple[str, ...] = (
     "float8_e4m3fn",
     "float8_e5m2",
 )
+
+
+class CapturedStep(abc.ABC):
+    """A step captured once on the device (its kernels, on fixed memory) and replayed.
+
+    The step's inputs are the tensors it read while captured: copy new values into them,
+    then :meth:`replay`; :attr:`outputs` are the tensors it wrote, refreshed by each replay
+    (read them after the device synchronizes, or on its stream).
+    """
+
+    #: What the captured call returned (its tensors are rewritten by every replay).
+    outputs: Any
+
+    @abc.abstractmethod
+    def replay(self) -> None:
+        """Run the captured work again, queued on the current stream."""
 
 
 class DeviceHandle(abc.ABC):
@@ -176,6 +195,19 @@ class DeviceHandle(abc.ABC):
     def supports(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` is fp32/fp64 or listed by :meth:`supported_dtypes`."""
         return dtype in (torch.float32, torch.float64) or dtype in self.supported_dtypes()
+
+    # -- optional: graph capture of a step ------------------------------------------------
+    def graph_capture_reason(self) -> str:
+        """'' when :meth:`capture_step` works here; else why not, in one line (what
+        ``lamina info`` shows and what a compiled step records when it launches kernel by
+        kernel)."""
+        return f"{self.device_type} has no graph capture of a step; its kernels launch one by one"
+
+    def capture_step(self, step: Callable[[], Any], warmup: int = 2) -> CapturedStep:
+        """Capture ``step()`` (after ``warmup`` plain calls, on a side stream where the
+        device wants them) for :meth:`CapturedStep.replay`; the capture itself runs it
+        once more. Optional: ``NotSupportedError`` with :meth:`graph_capture_reason`."""
+        raise NotSupportedError(self.graph_capture_reason())
 
 
 def torch_dtypes_by_name(names: tuple[str, ...]) -> frozenset[torch.dtype]:

@@ -98,17 +98,20 @@ class FunctionalOptimizer:
         #: Each group's settings as :meth:`learning_rates` last read them.
         self.settings: tuple[GroupSettings, ...] = ()
 
-    def init_state(self) -> None:
+    def init_state(self, steps_on: torch.device | None = None) -> None:
         """Create every parameter's state as torch creates it (SGD's momentum buffer as
         zeros: with no dampening its first update gives the first gradient, as torch's
-        copy of it does)."""
+        copy of it does). ``steps_on``: Adam's step counters live there (a device graph
+        replays only device work), existing ones moved."""
         for group in self.optimizer.param_groups:
             for p in trained(group):
                 state = self.optimizer.state[p]
                 if state:
+                    if steps_on is not None and "step" in state:  # a captured step counts
+                        state["step"] = state["step"].to(steps_on)
                     continue
                 if self.adam:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32, device=steps_on)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 elif group["momentum"]:
@@ -119,14 +122,14 @@ class FunctionalOptimizer:
         default = isinstance(self.optimizer, torch.optim.AdamW)
         return bool(group.get("decoupled_weight_decay", default))
 
-    def learning_rates(self) -> list[torch.Tensor]:
+    def learning_rates(self, device: torch.device | None = None) -> list[torch.Tensor]:
         """Each group's current learning rate as a 0-dim tensor (a graph input), and its
         other settings read again (:attr:`settings`): the graph reads no ``param_groups``
         dict, whose every value it would otherwise guard on (a scheduler's new learning
         rate would compile the step again)."""
         groups = self.optimizer.param_groups
         self.settings = tuple(self._settings(g) for g in groups)
-        return [torch.tensor(float(g["lr"]), dtype=torch.float32) for g in groups]
+        return [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device) for g in groups]
 
     def _settings(self, group: dict[str, Any]) -> GroupSettings:
         if self.adam:

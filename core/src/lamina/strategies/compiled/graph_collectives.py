@@ -119,6 +119,7 @@ class CheckedBackend:
         planned: Callable[[], Sequence[PlannedCall]],
         group: dist.ProcessGroup | None,
         eager_random: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.inner = inner
         self.planned = planned
@@ -126,6 +127,10 @@ class CheckedBackend:
         #: Inductor draws random numbers with eager's generator (``fallback_random``), so
         #: dropout's masks are the eager step's.
         self.eager_random = eager_random
+        #: Inductor issues each collective as soon as its input is computed and waits for
+        #: it as late as its result allows (its ``raise_comms`` and ``sink_waits``
+        #: passes): DP's buckets then start where their last gradient is produced.
+        self.overlap = overlap
         self.graphs: list[list[GraphCollective]] = []
         #: Graphs handed to this backend (a capture that stops earlier never gets here).
         self.entered = 0
@@ -143,10 +148,14 @@ class CheckedBackend:
         inner = self.inner
         compile_with = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
         patch: AbstractContextManager[Any] = nullcontext()
-        if self.eager_random and inner == "inductor":
+        if inner == "inductor":
             from torch._inductor import config as inductor_config
 
-            patch = inductor_config.patch(fallback_random=True)
+            settings: dict[str, Any] = {"fallback_random": self.eager_random}
+            if self.overlap:
+                settings["reorder_for_compute_comm_overlap"] = True
+                settings["reorder_for_compute_comm_overlap_passes"] = ["raise_comms", "sink_waits"]
+            patch = inductor_config.patch(settings)
         try:
             with patch:
                 compiled = compile_with(gm, example_inputs)

@@ -21,12 +21,16 @@ Declared fallbacks, on the plan's step node (:attr:`CompiledStep.step_node`):
   step, recorded with the reason each time, while the compiled shapes replay.
 
 The compile time of each new shape is kept (:attr:`CompiledStep.compile_seconds`).
+Where the device captures a step (CUDA graphs, :mod:`.device_graph`), each compiled
+shape is captured at its second call and replayed as one device graph from then on; the
+plan's meta ``device_graphs`` says whether, or why not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,8 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lamina.device.handle import DeviceHandle
 from lamina.errors import ConfigError
 from lamina.runtime import Compute, ExecutionPlan, Fallback, RunLog
+from lamina.strategies.compiled.device_graph import DeviceGraphs
 from lamina.strategies.compiled.functional_optim import FunctionalOptimizer
 from lamina.strategies.compiled.graph_break import graph_break_reason
 from lamina.strategies.compiled.graph_collectives import (
@@ -72,6 +78,9 @@ class CompiledStep(ABC):
         on_graph_break: str = "eager",
         control_group: dist.ProcessGroup | None = None,
         eager_random: bool = True,
+        handle: DeviceHandle | None = None,
+        device_graphs: bool = True,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(max_shapes, int) or max_shapes < 1:
             raise ConfigError(
@@ -95,7 +104,11 @@ class CompiledStep(ABC):
         self.eager_reason = ""
         #: Seconds each new input shape took to capture, compile and run once.
         self.compile_seconds: list[float] = []
-        self.checked = CheckedBackend(backend, self._planned_calls, control_group, eager_random)
+        self.checked = CheckedBackend(
+            backend, self._planned_calls, control_group, eager_random, overlap
+        )
+        #: Each compiled shape replayed as a device graph, where the device captures one.
+        self.graphs = DeviceGraphs(handle, device_graphs, backend)
         self._functional = FunctionalOptimizer(optimizer)
         self._shapes: list[Signature] = []
         self._failed_at_run = False
@@ -196,7 +209,7 @@ class CompiledStep(ABC):
         started, entered = time.perf_counter(), self.checked.entered
         try:
             with log.compute("compile" if new else "compiled step"):
-                loss = self._replay(inputs, target)
+                loss = self._replay(inputs, target, None if new else shape)
         except torch._dynamo.exc.TorchDynamoException as exc:
             if not new:  # a captured graph that ran before failed: not a capture problem
                 raise
@@ -267,10 +280,25 @@ class CompiledStep(ABC):
                 when="run",
             ),
         ]
-        self._set_plan(self._declared_plan(plan, fallbacks))
+        declared = self._declared_plan(plan, fallbacks)
+        graphs = "replayed" if not self.graphs.reason else f"no: {self.graphs.reason}"
+        meta = tuple(sorted((*declared.meta, ("device_graphs", graphs))))
+        self._set_plan(dataclasses.replace(declared, meta=meta))
         self._declared = True
         if not reason:
-            self._functional.init_state()
+            self._functional.init_state(self._small_tensors_on())
+
+    def _small_tensors_on(self) -> torch.device | None:
+        """Where the learning rates and Adam's step counters live: on the parameters'
+        accelerator (a device graph, or XLA's one program, reads nothing from the host),
+        as they are on the CPU (None)."""
+        device = self.graphs.device
+        if device is not None:
+            return device
+        first = next(self.model.parameters(), None)
+        if first is None or first.device.type == "cpu":
+            return None
+        return first.device
 
     def _past_bound(self, shape: Signature) -> str:
         """Why a step with input ``shape`` runs eagerly."""
@@ -281,17 +309,27 @@ class CompiledStep(ABC):
         )
 
     # -- running ---------------------------------------------------------------------------
-    def _replay(self, inputs: list[Any], target: Any) -> torch.Tensor:
-        """The captured step (captured at the first call of each shape)."""
+    def _replay(self, inputs: list[Any], target: Any, shape: Signature | None) -> torch.Tensor:
+        """The captured step (captured at the first call of each shape); from the second
+        call of a ``shape``, replayed as a device graph where there is one."""
         if self._compiled is None:
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, self.max_shapes)
             self._compiled = torch.compile(
-                self._traced, backend=self.checked, fullgraph=True, dynamic=False
+                _own_code(self._traced), backend=self.checked, fullgraph=True, dynamic=False
             )
+        compiled = self._compiled
         arguments = self._arguments()
-        lrs = self._functional.learning_rates()
-        with self._replaying():
-            loss: torch.Tensor = self._compiled(arguments, lrs, inputs, target)
-        return loss
+        lrs = self._functional.learning_rates(self._small_tensors_on())
+
+        def run(batch: list[Any], rates: list[torch.Tensor]) -> torch.Tensor:
+            with self._replaying():
+                loss: torch.Tensor = compiled(arguments, rates, batch[:-1], batch[-1])
+            return loss
+
+        if shape is None or self.graphs.reason:
+            return run([*inputs, target], lrs)
+        return self.graphs.run(shape, run, [*inputs, target], lrs)
 
     def _traced(
         self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
@@ -308,6 +346,21 @@ class CompiledStep(ABC):
         if self._failed_at_run:
             self.run_log.fallback(self.step_node, EAGER, self.eager_reason)
         return loss.detach()
+
+
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) with a code object of its own: torch.compile keeps its graphs
+    and its recompile count per code object, so each compiled step keeps its own (its
+    shapes are counted against ``max_shapes`` alone, not with every other step's)."""
+    function = method.__func__  # type: ignore[attr-defined]
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
 
 
 def _signature(values: list[Any]) -> Signature:

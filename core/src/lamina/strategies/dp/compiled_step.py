@@ -37,6 +37,7 @@ from torch.func import functional_call, grad_and_value
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
+from lamina.device.handle import DeviceHandle
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.compiled.functional_optim import trained, unsupported_reason
 from lamina.strategies.compiled.graph_algorithms import (
@@ -69,6 +70,9 @@ class DataParallelCompiledStep(CompiledStep):
         on_graph_break: str = "eager",
         control_group: dist.ProcessGroup | None = None,
         eager_random: bool = True,
+        handle: DeviceHandle | None = None,
+        device_graphs: bool = True,
+        overlap: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -79,6 +83,9 @@ class DataParallelCompiledStep(CompiledStep):
             on_graph_break,
             control_group,
             eager_random,
+            handle,
+            device_graphs,
+            overlap,
         )
         self.state = state
         self._buckets: BucketPlan | None = None

@@ -43,6 +43,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call, grad_and_value
 
+from lamina.device.handle import DeviceHandle
 from lamina.memory.engine import UnitState
 from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.layout import ParamShard, UnitLayout
@@ -84,6 +85,9 @@ class ShardedCompiledStep(CompiledStep):
         on_graph_break: str = "eager",
         control_group: dist.ProcessGroup | None = None,
         eager_random: bool = True,
+        handle: DeviceHandle | None = None,
+        device_graphs: bool = True,
+        overlap: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -94,6 +98,9 @@ class ShardedCompiledStep(CompiledStep):
             on_graph_break,
             control_group,
             eager_random,
+            handle,
+            device_graphs,
+            overlap,
         )
         self.sharded = model
         self.sharding = model.lamina_sharding
@@ -346,21 +353,25 @@ def _unsharded(layout: UnitLayout, gathered: torch.Tensor) -> dict[str, torch.Te
 
 def _scatter_input(layout: UnitLayout, grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """The reduce-scatter input of the unit's gradients (rank-major), as the eager step
-    lays it out: each rank's row chunk of every gradient, one used-flag per parameter
-    (every one was used: the first step checked), zeros to the end of the slot."""
+    lays it out: each rank's row chunk of every gradient (zeros for a frozen parameter),
+    one used-flag per parameter (1 for every trained one: the first step checked that
+    some rank reaches each), zeros to the end of the slot."""
     w = layout.world_size
+    like = next(g for p in layout.params if (g := grads.get(p.name)) is not None)
     pieces = []
     for p in layout.params:
-        g = grads[p.name]
-        if p.replicated:
+        g = grads.get(p.name)
+        if g is None:  # frozen: no gradient, flag 0
+            pieces.append(like.new_zeros(w, p.chunk))
+        elif p.replicated:
             pieces.append(g.reshape(1, 1).expand(w, 1))
         else:
             flat = g.reshape(-1)
             pieces.append(F.pad(flat, (0, w * p.chunk - p.numel)).view(w, p.chunk))
-    first = grads[layout.params[0].name]
-    pieces.append(first.new_ones(w, len(layout.params)))
+    flags = [1.0 if p.name in grads else 0.0 for p in layout.params]
+    pieces.append(torch.tensor(flags, dtype=like.dtype, device=like.device).expand(w, -1))
     tail = layout.shard_numel - layout.flag_offset - len(layout.params)
-    pieces.append(first.new_zeros(w, tail))
+    pieces.append(like.new_zeros(w, tail))
     return torch.cat(pieces, dim=1).view(-1)
 
 

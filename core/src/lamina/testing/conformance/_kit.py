@@ -17,6 +17,7 @@ from lamina.device.handle import DeviceHandle, Stream
 from lamina.device.kernels import REFERENCE, KernelLauncher
 from lamina.device.topology import merge_host_topologies
 from lamina.device.topology_file import load_topology, save_topology
+from lamina.errors import NotSupportedError
 from lamina.plugins import get_registry
 from lamina.testing.conformance._collectives import CollectiveRun, check_collective
 from lamina.testing.conformance._common import capability
@@ -142,6 +143,31 @@ class BackendConformance:
             f"{handle.device_type}: reset_peak_memory() lowered the peak by {fell} bytes; the "
             f"freed {MEMORY_BLOCK_BYTES}-byte block is still counted (want >= {need / 2:.0f})"
         )
+
+    # -- graph capture (optional) ------------------------------------------------------
+    def test_captured_step_replays_on_new_inputs(self, lamina_handle: DeviceHandle) -> None:
+        """Where the backend declares graph capture, a captured step recomputes its
+        output from the values copied into its input at each replay; where it does not,
+        ``capture_step`` raises ``NotSupportedError`` with the declared reason."""
+        handle = lamina_handle
+        device = handle.device_for_local_rank(0)
+        reason = handle.graph_capture_reason()
+        static = torch.zeros(1024, dtype=torch.float32, device=device)
+        if reason:
+            with pytest.raises(NotSupportedError) as raised:
+                handle.capture_step(lambda: static * 2 + 1)
+            assert str(raised.value) == reason, (raised.value, reason)
+            pytest.skip(f"{handle.device_type}: {reason}")
+        captured = handle.capture_step(lambda: static * 2 + 1)
+        for value in (3.0, -0.5):
+            static.copy_(torch.full_like(static, value))
+            captured.replay()
+            handle.synchronize(device)
+            out = captured.outputs.cpu()
+            assert torch.equal(out, torch.full_like(out, value * 2 + 1)), (
+                f"{handle.device_type}: a replay after writing {value} into the captured "
+                f"input gave {out[:4].tolist()}, want {value * 2 + 1}"
+            )
 
     # -- events --------------------------------------------------------------------------
     def test_events_time_known_work_in_order(self, lamina_handle: DeviceHandle) -> None:
