@@ -36,6 +36,26 @@ def tiny_gpt() -> nn.Module:
     return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
 
 
+def tiny_llama(seed: int = 0, **config: object) -> nn.Module:
+    """A Hugging Face Llama (grouped-query attention: 4 heads, 2 key/value heads) at a
+    test size, initialized from ``seed``; ``config`` overrides ``LlamaConfig`` fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    settings: dict[str, object] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+        **config,
+    }
+    model: nn.Module = LlamaForCausalLM(LlamaConfig(**settings))
+    return model
+
+
 class Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -26,7 +26,15 @@ from torch import nn
 import lamina
 from lamina.errors import ConfigError, VerificationError
 from lamina.testing import run_ranks
-from models_for_tests import GPT, GPTConfig, WithUnused, batch, build, full_params
+from models_for_tests import (
+    GPT,
+    GPTConfig,
+    WithUnused,
+    batch,
+    build,
+    full_params,
+    tiny_llama,
+)
 from topologies_for_tests import two_hosts_of_two
 
 pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
@@ -307,22 +315,6 @@ def test_zero3_hsdp_and_dp_compiled_steps_equal_eager_on_two_hosts_of_two(
 
 
 # -- the GPT example with dropout, and a Hugging Face Llama ---------------------------------
-def _llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model: nn.Module = LlamaForCausalLM(config)
-    return model
-
-
 def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
@@ -332,8 +324,7 @@ def _language_models() -> dict[str, Any]:
     runtime = lamina.init()
     torch.manual_seed(runtime.rank)
     gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, dropout=0.2))
-    torch.manual_seed(runtime.rank)
-    llama = _llama()
+    llama = tiny_llama(runtime.rank)
 
     def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return batch("gpt", k, runtime.rank)

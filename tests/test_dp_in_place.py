@@ -31,7 +31,7 @@ from lamina.cli.main import main
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan
 from lamina.testing import run_ranks
-from models_for_tests import MLP, batch, build, differs_from_rank0, loss_of
+from models_for_tests import MLP, batch, build, differs_from_rank0, loss_of, tiny_llama
 
 pytestmark = [pytest.mark.portable, pytest.mark.cross_release]
 
@@ -243,19 +243,7 @@ def _checkpoints(rank: int, base: Path) -> dict[str, Any]:
 
 # -- Hugging Face: the model's own methods -----------------------------------------------------
 def _llama(seed: int) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(seed)
 
 
 def _tokens(step: int, rank: int) -> torch.Tensor:

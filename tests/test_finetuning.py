@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 import lamina
 from lamina.testing import run_ranks
 from lamina.testing.cli import run_lamina
-from models_for_tests import full_params  # also puts examples/ on sys.path
+from models_for_tests import full_params, tiny_llama  # also puts examples/ on sys.path
 from topologies_for_tests import two_hosts_of_two
 
 # isort: split
@@ -88,20 +88,8 @@ EXAMPLE_STRATEGIES = os.environ.get("LAMINA_FINETUNE_STRATEGIES", "dp").split(",
 # -- models, batches, training ----------------------------------------------------------
 def llama(seed: int) -> LlamaForCausalLM:
     """The tiny Llama, initialized from ``seed``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
+    model: LlamaForCausalLM = tiny_llama(seed, use_cache=False)  # type: ignore[assignment]
+    return model
 
 
 def lora_llama(seed: int) -> nn.Module:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
-from lamina.strategies.compiled.step import CompiledStep
+from lamina.strategies.compiled.step import CompiledStep, StepJob, StepOptions
 from lamina.strategies.contract import Placement
 from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
 from lamina.strategies.dp.planner import DataParallelState
@@ -77,39 +77,16 @@ def compile_step(
     each compiled shape is replayed as one device graph from its second call. With
     ``overlap``, Inductor issues each collective as soon as its input is computed (DP's
     buckets where their last gradient is produced) and waits for it as late as it can."""
+    settings = StepOptions(
+        backend, max_shapes, on_graph_break, eager_random, device_graphs, overlap
+    )
     runtime = current()
-    control = runtime.control_group if runtime is not None else None
-    handle = runtime.handle if runtime is not None else None
+    job = StepJob(runtime.control_group, runtime.handle) if runtime is not None else StepJob()
     state = getattr(model, "__dict__", {}).get("lamina_dp")
     if isinstance(state, DataParallelState):
-        return DataParallelCompiledStep(
-            model,
-            state,
-            optimizer,
-            loss_fn,
-            backend,
-            max_shapes,
-            on_graph_break,
-            control,
-            eager_random,
-            handle,
-            device_graphs,
-            overlap,
-        )
+        return DataParallelCompiledStep(model, state, optimizer, loss_fn, settings, job)
     if isinstance(model, ShardedModule):
-        return ShardedCompiledStep(
-            model,
-            optimizer,
-            loss_fn,
-            backend,
-            max_shapes,
-            on_graph_break,
-            control,
-            eager_random,
-            handle,
-            device_graphs,
-            overlap,
-        )
+        return ShardedCompiledStep(model, optimizer, loss_fn, settings, job)
     strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
     raise ConfigError(
         f"compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "

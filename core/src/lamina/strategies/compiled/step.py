@@ -34,6 +34,7 @@ import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +65,40 @@ GRAPH_BREAK_CHOICES = ("eager", "error")
 Signature = tuple[tuple[tuple[int, ...], str], ...]
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """What ``lamina.compile_step`` takes besides the model, optimizer and loss (see
+    :func:`lamina.compile_step`); checked as it is built."""
+
+    backend: str | Callable[..., Any] = "inductor"
+    max_shapes: int = 2
+    on_graph_break: str = "eager"
+    eager_random: bool = True
+    device_graphs: bool = True
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_shapes, int) or self.max_shapes < 1:
+            raise ConfigError(
+                f"compile_step: max_shapes={self.max_shapes!r}; pass how many input shapes to "
+                "compile (>= 1) before new ones run eagerly"
+            )
+        if self.on_graph_break not in GRAPH_BREAK_CHOICES:
+            raise ConfigError(
+                f"compile_step: on_graph_break={self.on_graph_break!r}; pass 'eager' (run the "
+                "eager step, declared) or 'error'"
+            )
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """Where a compiled step runs: the job's control group (the ranks' agreements) and
+    the device's handle (None: no lamina runtime)."""
+
+    control_group: dist.ProcessGroup | None = None
+    handle: DeviceHandle | None = None
+
+
 class CompiledStep(ABC):
     """``loss = step(*inputs, target)``: one training step as one captured graph (see
     the module docstring). A strategy's subclass says what the graph holds."""
@@ -73,42 +108,28 @@ class CompiledStep(ABC):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        backend: str | Callable[..., Any] = "inductor",
-        max_shapes: int = 2,
-        on_graph_break: str = "eager",
-        control_group: dist.ProcessGroup | None = None,
-        eager_random: bool = True,
-        handle: DeviceHandle | None = None,
-        device_graphs: bool = True,
-        overlap: bool = False,
+        options: StepOptions,
+        job: StepJob,
     ) -> None:
-        if not isinstance(max_shapes, int) or max_shapes < 1:
-            raise ConfigError(
-                f"compile_step: max_shapes={max_shapes!r}; pass how many input shapes to "
-                "compile (>= 1) before new ones run eagerly"
-            )
-        if on_graph_break not in GRAPH_BREAK_CHOICES:
-            raise ConfigError(
-                f"compile_step: on_graph_break={on_graph_break!r}; pass 'eager' (run the "
-                "eager step, declared) or 'error'"
-            )
+        backend = options.backend
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.options = options
         self.backend = backend
         #: Input shapes compiled at most (then a new one runs the eager step).
-        self.max_shapes = max_shapes
-        self.on_graph_break = on_graph_break
+        self.max_shapes = options.max_shapes
+        self.on_graph_break = options.on_graph_break
         self.mode = f"compiled_step:{backend if isinstance(backend, str) else 'custom'}"
         #: Why the step runs eagerly ('' while it runs compiled).
         self.eager_reason = ""
         #: Seconds each new input shape took to capture, compile and run once.
         self.compile_seconds: list[float] = []
         self.checked = CheckedBackend(
-            backend, self._planned_calls, control_group, eager_random, overlap
+            backend, self._planned_calls, job.control_group, options.eager_random, options.overlap
         )
         #: Each compiled shape replayed as a device graph, where the device captures one.
-        self.graphs = DeviceGraphs(handle, device_graphs, backend)
+        self.graphs = DeviceGraphs(job.handle, options.device_graphs, backend)
         self._functional = FunctionalOptimizer(optimizer)
         self._shapes: list[Signature] = []
         self._failed_at_run = False

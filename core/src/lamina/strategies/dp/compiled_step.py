@@ -25,7 +25,7 @@ graph: reduce-scatter inside each host, all-reduce across the hosts, gather insi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,7 +37,6 @@ from torch.func import functional_call, grad_and_value
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
-from lamina.device.handle import DeviceHandle
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.compiled.functional_optim import trained, unsupported_reason
 from lamina.strategies.compiled.graph_algorithms import (
@@ -45,7 +44,7 @@ from lamina.strategies.compiled.graph_algorithms import (
     hierarchical_calls,
 )
 from lamina.strategies.compiled.graph_collectives import PlannedCall
-from lamina.strategies.compiled.step import CompiledStep, LossFn
+from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 from lamina.strategies.contract import StepInputs
 from lamina.strategies.dp import plan as plan_dp
 from lamina.strategies.dp.planner import DataParallelState, seen_as
@@ -65,28 +64,10 @@ class DataParallelCompiledStep(CompiledStep):
         state: DataParallelState,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        backend: str | Callable[..., Any] = "inductor",
-        max_shapes: int = 2,
-        on_graph_break: str = "eager",
-        control_group: dist.ProcessGroup | None = None,
-        eager_random: bool = True,
-        handle: DeviceHandle | None = None,
-        device_graphs: bool = True,
-        overlap: bool = False,
+        options: StepOptions,
+        job: StepJob,
     ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            loss_fn,
-            backend,
-            max_shapes,
-            on_graph_break,
-            control_group,
-            eager_random,
-            handle,
-            device_graphs,
-            overlap,
-        )
+        super().__init__(model, optimizer, loss_fn, options, job)
         self.state = state
         self._buckets: BucketPlan | None = None
 

@@ -31,7 +31,7 @@ phases and slot order, gloo's forms where it is gloo).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,7 +43,6 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call, grad_and_value
 
-from lamina.device.handle import DeviceHandle
 from lamina.memory.engine import UnitState
 from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.layout import ParamShard, UnitLayout
@@ -56,7 +55,7 @@ from lamina.strategies.compiled.graph_algorithms import (
     scatter_over,
 )
 from lamina.strategies.compiled.graph_collectives import PlannedCall
-from lamina.strategies.compiled.step import CompiledStep, LossFn
+from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 from lamina.strategies.dp.planner import seen_as
 from lamina.strategies.zero3.module import ShardedModule
 from lamina.strategies.zero3.plan import gather_node, replicate_node, scatter_node
@@ -80,28 +79,10 @@ class ShardedCompiledStep(CompiledStep):
         model: ShardedModule,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        backend: str | Callable[..., Any] = "inductor",
-        max_shapes: int = 2,
-        on_graph_break: str = "eager",
-        control_group: dist.ProcessGroup | None = None,
-        eager_random: bool = True,
-        handle: DeviceHandle | None = None,
-        device_graphs: bool = True,
-        overlap: bool = False,
+        options: StepOptions,
+        job: StepJob,
     ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            loss_fn,
-            backend,
-            max_shapes,
-            on_graph_break,
-            control_group,
-            eager_random,
-            handle,
-            device_graphs,
-            overlap,
-        )
+        super().__init__(model, optimizer, loss_fn, options, job)
         self.sharded = model
         self.sharding = model.lamina_sharding
         #: The model's class before ``zero3`` extended it (the traced forward is its own).
