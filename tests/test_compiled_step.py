@@ -468,3 +468,33 @@ def test_a_zero3_unit_with_a_frozen_parameter_compiles_to_the_eager_step() -> No
     ours, theirs = full_params(compiled), full_params(eager)
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) <= TOLERANCE
     assert torch.equal(ours["layers.1.weight"], initial.layers[1].weight)  # type: ignore[index]
+
+
+class _Blocks(nn.Module):
+    """Three blocks, the middle one breaking the capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), _Inner(), nn.Linear(16, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_zero3_step_that_cannot_be_captured_gathers_again_as_its_plan_says() -> None:
+    lamina.init()
+    torch.manual_seed(0)
+    model = lamina.distribute(_Blocks(), "zero3", min_unit_numel=0)
+    step = lamina.compile_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, backend="aot_eager"
+    )
+    for _ in range(3):  # eager, then the capture stops at the graph break: eager again
+        step(torch.randn(4, 16), torch.randn(4, 16))
+    summary = model.step_summary()
+    reason = step.eager_reason
+    assert "graph break in module 'blocks.1' (_Inner.forward" in reason, reason
+    assert "run fallbacks" in summary and "kept gathered" not in summary, summary
+    kept = [f for f in model.execution_plan.fallbacks if f.alternative.startswith("kept")]
+    assert kept and not any(f.taken for f in kept)

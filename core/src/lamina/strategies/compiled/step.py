@@ -266,6 +266,10 @@ class CompiledStep(ABC):
             ) from exc
         self.eager_reason = reason
         self._failed_at_run = True
+        self._now_eager()
+
+    def _now_eager(self) -> None:  # noqa: B027  (optional, empty by default)
+        """The step runs eagerly from now on: what the plan said of the graph is undone."""
 
     # -- planning the graph ------------------------------------------------------------------
     def _declare(self) -> None:

@@ -180,6 +180,18 @@ class ShardedCompiledStep(CompiledStep):
         ]
         return dataclasses.replace(declared, fallbacks=(*declared.fallbacks, *kept))
 
+    def _now_eager(self) -> None:
+        """The eager step gathers again for backward: the plan's backward gathers run."""
+        plan = self.plan
+        assert plan is not None
+        fallbacks = tuple(
+            dataclasses.replace(f, taken=False, reason="")
+            if f.alternative == KEPT and f.when == "plan"
+            else f
+            for f in plan.fallbacks
+        )
+        self._set_plan(dataclasses.replace(plan, fallbacks=fallbacks))
+
     # -- the collectives the graph issues ---------------------------------------------------
     def _gather_calls(self, unit: UnitState) -> list[PlannedCall]:
         layout, node = unit.layout, gather_node(unit.layout.name, "fwd")
