@@ -45,7 +45,7 @@ from lamina.device.handle import DeviceHandle
 from lamina.errors import ConfigError
 from lamina.runtime import Compute, ExecutionPlan, Fallback, RunLog
 from lamina.strategies.compiled.device_graph import DeviceGraphs
-from lamina.strategies.compiled.functional_optim import FunctionalOptimizer
+from lamina.strategies.compiled.functional_optim import FunctionalOptimizer, unsupported_reason
 from lamina.strategies.compiled.graph_break import graph_break_reason
 from lamina.strategies.compiled.graph_collectives import (
     CheckedBackend,
@@ -162,7 +162,8 @@ class CompiledStep(ABC):
 
     @abstractmethod
     def _plan_time_reason(self, plan: ExecutionPlan) -> str:
-        """Why the step cannot be one graph, known before the capture ('' if it can)."""
+        """Why the step cannot be one graph, known before the capture ('' if it can),
+        besides an optimizer whose update is not traced (checked here for every one)."""
 
     @abstractmethod
     def _planned_calls(self) -> Sequence[PlannedCall]:
@@ -277,7 +278,8 @@ class CompiledStep(ABC):
         plan-time one."""
         plan = self.plan
         assert plan is not None
-        reason = self._plan_time_reason(plan)
+        optimizer = unsupported_reason(self.optimizer)
+        reason = f"the optimizer: {optimizer}" if optimizer else self._plan_time_reason(plan)
         self.eager_reason = reason
         node = self.step_node
         fallbacks = [

@@ -38,7 +38,7 @@ from torch.func import functional_call, grad_and_value
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
 from lamina.runtime import ExecutionPlan, RunLog
-from lamina.strategies.compiled.functional_optim import trained, unsupported_reason
+from lamina.strategies.compiled.functional_optim import trained
 from lamina.strategies.compiled.graph_algorithms import (
     hierarchical_all_reduce,
     hierarchical_calls,
@@ -111,9 +111,6 @@ class DataParallelCompiledStep(CompiledStep):
 
     def _plan_time_reason(self, plan: ExecutionPlan) -> str:
         """Why the step cannot be one graph, known before the first call ('' if it can)."""
-        reason = unsupported_reason(self.optimizer)
-        if reason:
-            return f"the optimizer: {reason}"
         assert self._buckets is not None
         if self._buckets.excluded:
             return (

@@ -47,7 +47,7 @@ from lamina.memory.engine import UnitState
 from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.layout import ParamShard, UnitLayout
 from lamina.runtime import ExecutionPlan, Fallback, RunLog
-from lamina.strategies.compiled.functional_optim import UpdatedTensors, trained, unsupported_reason
+from lamina.strategies.compiled.functional_optim import UpdatedTensors, trained
 from lamina.strategies.compiled.graph_algorithms import (
     gather_calls,
     gather_over,
@@ -144,9 +144,6 @@ class ShardedCompiledStep(CompiledStep):
         )
 
     def _plan_time_reason(self, plan: ExecutionPlan) -> str:
-        reason = unsupported_reason(self.optimizer)
-        if reason:
-            return f"the optimizer: {reason}"
         if self._unreached:
             return (
                 f"{len(self._unreached)} parameter(s) no rank's forward reached at step 1 "
