@@ -40,19 +40,22 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, seq, self.n_heads, width // self.n_heads)
+        batch, seq, _ = x.shape
+        # shapes from the head size, not the head count: split by heads across
+        # tensor-parallel ranks, each rank's projection holds a slice of them
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        shape = (batch, seq, -1, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+        projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return projected
 
 

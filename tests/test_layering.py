@@ -287,8 +287,9 @@ def test_no_runtime_import_cycle() -> None:
     assert cycles == [], "run-time import cycles:\n" + "\n".join(cycles)
 
 
-#: The strategy modules that see the session (lamina.distribute's own sequence).
-SESSION_READERS = {"context.py", "preflight.py", "wrap_pipeline.py"}
+#: The strategy modules that see the session (lamina.distribute's own sequence, composed
+#: strategies included).
+SESSION_READERS = {"compose.py", "context.py", "preflight.py", "wrap_pipeline.py"}
 
 
 def test_strategies_see_the_narrow_context_not_the_session() -> None:

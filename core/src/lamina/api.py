@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
 from lamina.strategies.compiled.step import CompiledStep, StepJob, StepOptions
+from lamina.strategies.compose import distribute_composed
 from lamina.strategies.contract import Placement
 from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
 from lamina.strategies.dp.planner import DataParallelState
@@ -22,9 +23,9 @@ from lamina.strategies.zero3.module import ShardedModule
 
 def distribute(
     model: nn.Module,
-    strategy: str = "dp",
+    strategy: str | Sequence[str] = "dp",
     *,
-    placement: Placement | None = None,
+    placement: Placement | Mapping[str, Placement] | None = None,
     runtime: Runtime | None = None,
     **options: Any,
 ) -> nn.Module:
@@ -36,6 +37,11 @@ def distribute(
     ``placement`` says which mesh axes it shards and replicates over (default: the
     strategy's own: ``dp`` replicates over every axis, ``zero3`` shards over every axis,
     ``hsdp`` shards over ``intra`` and replicates over ``inter``).
+
+    A list composes strategies, each on its own mesh axes
+    (:mod:`lamina.strategies.compose`): ``["tp", "zero3"]`` on
+    ``lamina.init(mesh={"fsdp": 2, "tp": 2})``; each keyword goes to the strategies that
+    take it, and ``placement`` maps a strategy's name to its axes.
     """
     runtime = runtime or current() or init()
     if runtime.world_size != runtime.mesh.size():
@@ -43,6 +49,14 @@ def distribute(
             f"mesh {runtime.mesh} holds {runtime.mesh.size()} rank(s) but the job has "
             f"{runtime.world_size}; call lamina.init() with mesh='flat' or a mesh shape whose "
             "product is the world size"
+        )
+    if not isinstance(strategy, str):
+        given = placement if isinstance(placement, Mapping) else None
+        return distribute_composed(model, list(strategy), runtime, given, options)
+    if isinstance(placement, Mapping):
+        raise ConfigError(
+            "placement= maps strategy names to axes only when strategies compose; pass a "
+            "Placement for one strategy"
         )
     chosen = get_strategy(strategy, runtime.plugins)
     settings = chosen.options.from_kwargs(chosen.name, options)

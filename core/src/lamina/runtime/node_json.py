@@ -29,7 +29,11 @@ from lamina.runtime.nodes import (
 def detail_to_dict(detail: NodeDetail) -> dict[str, Any]:
     """``detail``'s fields, absent facts (None, no slots) left out, so that a plan's JSON
     shows what each node has."""
-    return {k: v for k, v in asdict(detail).items() if v is not None and v != ()}
+    return {
+        k: v
+        for k, v in asdict(detail).items()
+        if v is not None and v != () and not (k == "layer" and v == "")
+    }
 
 
 def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
@@ -54,6 +58,7 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
             codec=_codec(data.get("codec")),
             source=_optional_int(data.get("source")),
             slots=tuple(_slot(d) for d in data.get("slots", ())),
+            layer=str(data.get("layer", "")),
         )
     if detail_type is Gather:
         return Gather(

@@ -16,9 +16,17 @@ from typing import Literal
 #: ``gradient``: the mean gradient of a DP bucket (all-reduce) or a ZeRO-3 unit
 #: (reduce-scatter into the shards); ``replicate``: the mean of a unit's shard gradient
 #: across HSDP replicas; ``unused``: DP's all-reduce of gradients a captured forward did not
-#: use, with their flags; ``broadcast``: rank 0's state at wrap time or buffers per step.
-CollectivePurpose = Literal["gradient", "replicate", "unused", "broadcast"]
-COLLECTIVE_PURPOSES: tuple[str, ...] = ("gradient", "replicate", "unused", "broadcast")
+#: use, with their flags; ``broadcast``: rank 0's state at wrap time or buffers per step;
+#: ``activation``: tensor parallelism's collectives on a layer's activations (or their
+#: gradients) inside the step.
+CollectivePurpose = Literal["gradient", "replicate", "unused", "broadcast", "activation"]
+COLLECTIVE_PURPOSES: tuple[str, ...] = (
+    "gradient",
+    "replicate",
+    "unused",
+    "broadcast",
+    "activation",
+)
 #: How long a gather holds a unit: its forward, the whole forward, or its backward.
 GatherSpan = Literal["forward", "whole_forward", "backward"]
 GATHER_SPANS: tuple[str, ...] = ("forward", "whole_forward", "backward")
@@ -101,7 +109,8 @@ class Collective:
 
     ``bucket`` is the DP bucket index, ``unit`` the ZeRO-3 unit, ``params`` how many
     parameters' gradients it carries and ``slots`` where each lies in the flat buffer (DP:
-    the reducer's buckets are built from them), ``source`` a broadcast's root rank.
+    the reducer's buckets are built from them), ``source`` a broadcast's root rank,
+    ``layer`` the module whose activations a tensor-parallel collective carries.
     """
 
     purpose: CollectivePurpose
@@ -113,6 +122,7 @@ class Collective:
     codec: CodecFact | None = None
     source: int | None = None
     slots: tuple[Slot, ...] = ()
+    layer: str = ""
 
 
 @dataclass(frozen=True)

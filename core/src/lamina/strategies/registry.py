@@ -16,12 +16,18 @@ from lamina.strategies.contract import Strategy
 
 
 def builtin_strategies() -> list[Strategy]:
-    """dp, zero3 and hsdp (imported here, on first use, not when lamina is imported)."""
+    """dp, zero3, hsdp and tp (imported here, on first use, not when lamina is imported)."""
     from lamina.strategies.dp import DataParallelStrategy
     from lamina.strategies.hsdp import HybridShardedStrategy
+    from lamina.strategies.tp import TensorParallelStrategy
     from lamina.strategies.zero3 import Zero3Strategy
 
-    return [DataParallelStrategy(), Zero3Strategy(), HybridShardedStrategy()]
+    return [
+        DataParallelStrategy(),
+        Zero3Strategy(),
+        HybridShardedStrategy(),
+        TensorParallelStrategy(),
+    ]
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[PluginRegistry, dict[str, Strategy]] = (

@@ -50,9 +50,12 @@ def distribute_with(
     session: Runtime,
     placement: Placement,
     options: StrategyOptions,
+    *,
+    over: str | None = None,
 ) -> nn.Module:
-    """``model`` distributed with ``strategy`` (see the module docstring)."""
-    _check_distributable(model, strategy.name)
+    """``model`` distributed with ``strategy`` (see the module docstring); ``over`` names
+    the strategy that already holds it when strategies compose (the other axes)."""
+    _check_distributable(model, strategy.name, over)
     ctx = StrategyContext.of(session)
 
     prepared = model
@@ -86,14 +89,17 @@ def set_up(session: Runtime, planned: PlannedStep, *, verify: bool) -> PlannedSt
     return replace(planned, preflight=report, run_log=log, verify_again=again)
 
 
-def _check_distributable(model: nn.Module, strategy: str) -> None:
-    """ConfigError unless torch.distributed runs and no strategy holds ``model`` yet."""
+def _check_distributable(model: nn.Module, strategy: str, over: str | None = None) -> None:
+    """ConfigError unless torch.distributed runs and no strategy holds ``model`` yet (or
+    only ``over``, which it composes with)."""
     if not dist.is_initialized():
         raise ConfigError(
             f"strategy {strategy!r} needs torch.distributed; call lamina.init() before distribute()"
         )
     name = type(model).__name__
     held = model.__dict__.get(DISTRIBUTED_WITH)
+    if over is not None and held == over:
+        return
     if held is None and all(hasattr(type(model), a) for a in ("execution_plan", "step_summary")):
         held = getattr(getattr(model, "execution_plan", None), "strategy", "another strategy")
     if held is not None:

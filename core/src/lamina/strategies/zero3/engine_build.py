@@ -44,6 +44,9 @@ def dtensor_mesh(ctx: StrategyContext, placement: MeshPlacement) -> DTensorMesh:
     over the shard axis, ``Replicate()`` over the replica axis (HSDP); a 1-D mesh over
     the whole job when the shards span every axis of a multi-axis mesh."""
     mesh = ctx.mesh
+    placed = {*placement.shard, *placement.replicate}
+    if placed != set(mesh.axis_names):  # composed: tp holds the other axes
+        return _submesh_placements(mesh.torch_mesh, placement)
     if not placement.replicate:
         if len(mesh.axis_names) == 1:
             return mesh.torch_mesh, [Shard(0)]
@@ -56,6 +59,24 @@ def dtensor_mesh(ctx: StrategyContext, placement: MeshPlacement) -> DTensorMesh:
     return mesh.torch_mesh, [
         Shard(0) if axis in placement.shard else Replicate() for axis in mesh.axis_names
     ]
+
+
+def _submesh_placements(root: TorchDeviceMesh, placement: MeshPlacement) -> DTensorMesh:
+    """The mesh of the strategy's own axes when another strategy holds the rest: the
+    shard axes flattened into one, the replica axis beside it."""
+    names = root.mesh_dim_names or ()
+    shard = tuple(a for a in names if a in placement.shard)
+    sharded = root[shard] if len(shard) == 1 else root[shard]._flatten("+".join(shard))
+    if not placement.replicate:
+        return sharded, [Shard(0)]
+    replicate = tuple(a for a in names if a in placement.replicate)
+    if len(replicate) != 1 or len(shard) != 1:
+        raise ConfigError(
+            f"placement {placement.describe()}: a composed HSDP takes one shard axis and one "
+            "replica axis; name one of each"
+        )
+    ordered = tuple(a for a in names if a in (*shard, *replicate))
+    return root[ordered], [Shard(0) if a in shard else Replicate() for a in ordered]
 
 
 def algorithm_groups(

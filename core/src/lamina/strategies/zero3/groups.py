@@ -30,6 +30,9 @@ class ShardGroups:
     replicas: tuple[int, ...]
     #: The same groups as the plan names them.
     plan: plan_z3.PlanGroups
+    #: The group over every axis the strategy is placed on (None: the whole job): the
+    #: setup broadcast's, from its first rank. Another strategy (``tp``) holds the rest.
+    everyone_group: dist.ProcessGroup | None = None
 
     @property
     def world(self) -> int:
@@ -51,6 +54,8 @@ def shard_groups(ctx: StrategyContext, placement: MeshPlacement, strategy: str) 
     replicas: tuple[int, ...] = ()
     if placement.replicate:
         replicate_group, replicas = mesh.group_over(placement.replicate)
+    placed = (*placement.shard, *placement.replicate)
+    everyone_group, everyone = mesh.group_over(placed)
     return ShardGroups(
         group=group,
         shard_ranks=shard_ranks,
@@ -62,7 +67,8 @@ def shard_groups(ctx: StrategyContext, placement: MeshPlacement, strategy: str) 
             shard_axis=mesh.axes_label(placement.shard),
             replicate=replicas,
             replicate_axis=mesh.axes_label(placement.replicate) if replicas else "",
-            everyone=tuple(range(ctx.world_size)),
-            everyone_axis=mesh.axes_label(mesh.axis_names),
+            everyone=everyone,
+            everyone_axis=mesh.axes_label(placed),
         ),
+        everyone_group=everyone_group,
     )

@@ -76,7 +76,9 @@ def plan_shards(
         module,
         planned.plan,
         (("shards", plan_z3.shard_lines(layout)),),
-        SetupBroadcast(tuple(setup_tensors(module)), 0, None),
+        SetupBroadcast(
+            tuple(setup_tensors(module)), groups.plan.everyone[0], groups.everyone_group
+        ),
         ShardingInputs(ctx, placement, options, strategy, groups, layout, planned),
     )
 

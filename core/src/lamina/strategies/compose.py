@@ -1,0 +1,144 @@
+"""Strategies composed on one mesh, each on its own axes: :func:`distribute_composed`.
+
+``lamina.distribute(model, ["tp", "zero3"])`` applies the strategies in order: ``tp``
+splits the layers across its axis, then ``zero3`` (or ``hsdp``) shards the split
+parameters' local tensors over the other axes, as FSDP2 does for tensor-parallel
+parameters, broadcasting only over its own groups. Each strategy plans, verifies across
+ranks and sets up as it does alone (:func:`~lamina.strategies.wrap_pipeline.distribute_with`);
+the composed model's plan holds every strategy's collectives, each on its axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from lamina.device.mesh import DeviceMesh
+from lamina.errors import ConfigError
+from lamina.runtime import ExecutionPlan
+from lamina.strategies.contract import Placement, Strategy, StrategyOptions
+from lamina.strategies.extension import extend_class
+from lamina.strategies.registry import get_strategy
+from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
+
+if TYPE_CHECKING:
+    from lamina.session import Runtime
+
+#: What may follow ``tp`` on the other axes.
+FOLLOWERS: tuple[str, ...] = ("zero3", "hsdp")
+
+
+class ComposedModule(nn.Module):
+    """A model distributed by several strategies: one plan holding all their nodes."""
+
+    lamina_composed: tuple[ExecutionPlan, ...]
+
+    @property
+    def execution_plan(self) -> ExecutionPlan:
+        """The last strategy's plan with the earlier ones' collectives added (their ids
+        name the strategy: ``tp.blocks.0.attn.bwd``)."""
+        inner: ExecutionPlan = super().execution_plan  # type: ignore[misc]
+        extra = tuple(
+            node
+            if node.id.startswith(f"{plan.strategy}.")
+            else replace(node, id=f"{plan.strategy}.{node.id}")
+            for plan in self.lamina_composed
+            for node in plan.nodes
+            if node.kind == "collective"
+        )
+        names = "+".join((*(p.strategy for p in self.lamina_composed), inner.strategy))
+        return replace(inner, strategy=names, nodes=(*extra, *inner.nodes))
+
+
+def distribute_composed(
+    model: nn.Module,
+    names: Sequence[str],
+    runtime: Runtime,
+    placement: Mapping[str, Placement] | None,
+    options: Mapping[str, Any],
+) -> nn.Module:
+    """``model`` distributed by ``names`` in order (see the module)."""
+    chosen = [get_strategy(n, runtime.plugins) for n in names]
+    _check_order([s.name for s in chosen])
+    settings = _route_options(chosen, options)
+    where = _placements(chosen, runtime.mesh, placement)
+    held = model
+    plans: list[ExecutionPlan] = []
+    for strategy in chosen:
+        held = distribute_with(
+            strategy,
+            held,
+            runtime,
+            where[strategy.name],
+            settings[strategy.name],
+            over=held.__dict__.get(DISTRIBUTED_WITH) if plans else None,
+        )
+        if strategy is not chosen[-1]:
+            plans.append(held.execution_plan)  # type: ignore[arg-type]
+    held = extend_class(held, ComposedModule, {}, "lamina_composed", tuple(plans))
+    held.__dict__[DISTRIBUTED_WITH] = "+".join(s.name for s in chosen)
+    return held
+
+
+def _check_order(names: list[str]) -> None:
+    if len(names) < 2 or names[0] != "tp" or len(names) != 2 or names[1] not in FOLLOWERS:
+        raise ConfigError(
+            f"strategies {names} do not compose; compose 'tp' first with one of "
+            f"{list(FOLLOWERS)} on the other mesh axes, e.g. ['tp', 'zero3']"
+        )
+
+
+def _route_options(
+    chosen: list[Strategy], options: Mapping[str, Any]
+) -> dict[str, StrategyOptions]:
+    """Each keyword to every strategy that takes it; ConfigError for one none takes."""
+    per: dict[str, dict[str, Any]] = {s.name: {} for s in chosen}
+    for key, value in options.items():
+        takers = [s for s in chosen if key in s.options.names()]
+        if not takers:
+            valid = sorted({n for s in chosen for n in s.options.names()})
+            raise ConfigError(
+                f"strategies {[s.name for s in chosen]} have no option {key!r}; their "
+                f"options are {', '.join(valid)}"
+            )
+        for strategy in takers:
+            per[strategy.name][key] = value
+    return {s.name: s.options.from_kwargs(s.name, per[s.name]) for s in chosen}
+
+
+def _placements(
+    chosen: list[Strategy], mesh: DeviceMesh, given: Mapping[str, Placement] | None
+) -> dict[str, Placement]:
+    """Each strategy's axes: as given, else ``tp`` on its axis and the follower on the
+    rest (``zero3`` shards them all; ``hsdp`` shards the innermost, replicates the
+    others); every mesh axis must be placed once."""
+    given = dict(given or {})
+    unknown = [n for n in given if n not in {s.name for s in chosen}]
+    if unknown:
+        raise ConfigError(f"placement names strategy {unknown[0]!r}, which is not composed here")
+    first, follower = chosen
+    where = {first.name: given.get(first.name) or first.default_placement(mesh)}
+    used = set(where[first.name].shard) | set(where[first.name].replicate)
+    rest = tuple(a for a in mesh.axis_names if a not in used)
+    if not rest:
+        raise ConfigError(
+            f"strategy {first.name!r} takes every mesh axis {list(mesh.axis_names)}; give "
+            f"{follower.name!r} an axis: lamina.init(mesh={{'fsdp': N, 'tp': M}})"
+        )
+    if follower.name in given:
+        where[follower.name] = given[follower.name]
+    elif follower.name == "hsdp" and len(rest) > 1:
+        where[follower.name] = Placement(shard=rest[-1:], replicate=rest[:-1])
+    else:
+        where[follower.name] = Placement(shard=rest)
+    named = [a for p in where.values() for a in (*p.shard, *p.replicate)]
+    if sorted(named) != sorted(mesh.axis_names):
+        described = {n: p.describe() for n, p in where.items()}
+        raise ConfigError(
+            f"placements {described} do not name every mesh axis {list(mesh.axis_names)} "
+            "once; give each axis to one strategy"
+        )
+    return where

@@ -1,0 +1,116 @@
+"""Tensor parallelism: ``lamina.distribute(model, "tp", example_inputs=(batch,))``.
+
+The plan is derived from one recorded forward (:mod:`.derive`; typed in :mod:`.layers`):
+column-parallel then row-parallel linears across the region between them (attention by
+heads, grouped-query key/value heads included; MLPs), vocabulary-parallel embeddings and
+heads, and sequence parallelism between regions. :mod:`.apply` splits the parameters in
+place and puts the collectives (:mod:`.activation_ops`) on the layers;
+:mod:`.plan_nodes` lists them as the step's plan. Placed on one mesh axis (``tp``), it
+composes with ``zero3`` / ``hsdp`` on the others (:mod:`lamina.strategies.compose`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lamina.device.mesh import DeviceMesh
+from lamina.errors import ConfigError
+from lamina.strategies.context import StrategyContext
+from lamina.strategies.contract import (
+    Placement,
+    PlannedStep,
+    SetupBroadcast,
+    StepInputs,
+    Strategy,
+    StrategyOptions,
+)
+from lamina.strategies.extension import extend_class
+from lamina.strategies.tp.activation_ops import TensorGroup
+from lamina.strategies.tp.apply import apply_plan
+from lamina.strategies.tp.derive import derive_plan
+from lamina.strategies.tp.layers import TensorPlan
+from lamina.strategies.tp.module import TensorParallelism, TensorParallelModule
+from lamina.strategies.tp.options import TensorParallelOptions
+from lamina.strategies.tp.plan_nodes import build_tensor_plan
+
+#: The mesh axis tensor parallelism goes on by default.
+TP_AXIS = "tp"
+
+
+class TensorParallelStrategy(Strategy):
+    """Splits layers across the ranks of one mesh axis (see the module)."""
+
+    name = "tp"
+    summary = "tensor parallelism: layers split across the ranks of the tp axis"
+    options = TensorParallelOptions
+
+    def default_placement(self, mesh: DeviceMesh) -> Placement:
+        """The ``tp`` axis (a one-axis mesh: its axis)."""
+        if TP_AXIS in mesh.axis_names:
+            return Placement(shard=(TP_AXIS,))
+        if len(mesh.axis_names) == 1:
+            return Placement(shard=mesh.axis_names)
+        raise ConfigError(
+            f"strategy 'tp' needs a mesh axis named 'tp' (the mesh has "
+            f"{list(mesh.axis_names)}); call lamina.init(mesh={{'fsdp': N, 'tp': M}})"
+        )
+
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The derived layer plan and its collectives on the tp axis; no collective."""
+        assert isinstance(options, TensorParallelOptions)
+        if len(placement.shard) != 1 or placement.replicate:
+            raise ConfigError(
+                f"strategy 'tp' goes on one mesh axis, got placement {placement.describe()}; "
+                "use Placement(shard=('tp',))"
+            )
+        group, ranks = ctx.mesh.group_over(placement.shard)
+        tp = TensorGroup(group, len(ranks), ranks.index(ctx.rank))
+        args: Any = _on_device(options.example_inputs or (), ctx)
+        kwargs: Any = _on_device(options.example_kwargs or {}, ctx)
+        layers = derive_plan(
+            model, args, kwargs, tp.size, sequence_parallel=options.sequence_parallel
+        )
+        axis = ctx.mesh.axes_label(placement.shard)
+        backend = str(dist.get_backend(group))
+        plan = build_tensor_plan(layers, model, ranks, axis, ctx.world_size, backend)
+        state = tuple(t for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+        return PlannedStep(
+            model,
+            plan,
+            (("tensor_plan", layers.lines()),),
+            SetupBroadcast(state, 0, None),  # the whole model, before it is split
+            (layers, tp),
+        )
+
+    def build(self, planned: PlannedStep) -> nn.Module:
+        """The model itself, split in place as the plan says."""
+        layers, tp = planned.inputs
+        assert isinstance(layers, TensorPlan)
+        model = planned.module
+        apply_plan(model, layers, tp)
+        state = TensorParallelism(layers, tp, planned.plan, planned.log(), planned.preflight)
+        return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
+
+
+def _on_device(value: object, ctx: StrategyContext) -> object:
+    """Example inputs moved to the model's device (meta for a model built there)."""
+
+    def move(t: object) -> object:
+        return t.to(ctx.device) if isinstance(t, torch.Tensor) else t
+
+    return pytree.tree_map(move, value)
+
+
+__all__ = ["TensorParallelOptions", "TensorParallelStrategy", "TensorPlan"]

@@ -1,0 +1,64 @@
+"""A :class:`~.layers.TensorPlan` as torch's own ``ParallelStyle`` objects, by module name:
+:func:`torch_styles`, the plan a torchtitan-style ``parallelize_module`` call takes.
+
+Used to compare a derived plan with a hand-written one and to run torch's own tensor
+parallelism with lamina's plan (the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lamina.strategies.tp.layers import TensorPlan
+
+
+def torch_styles(plan: TensorPlan) -> dict[str, ParallelStyle]:
+    """Module name -> the ``ParallelStyle`` that splits it as ``plan`` does."""
+    sp = plan.sequence_parallel
+    between = Shard(plan.seq_dim) if sp else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for emb in plan.embeddings:
+        styles[emb.module] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    for region in plan.regions:
+        if sp and isinstance(region.entry, str):
+            styles[region.module] = PrepareModuleInput(
+                input_kwarg_layouts={region.entry: between},
+                desired_input_kwarg_layouts={region.entry: Replicate()},
+            )
+        elif sp:
+            styles[region.module] = PrepareModuleInput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),)
+            )
+        for column in region.columns:
+            styles[column.linear] = ColwiseParallel()
+        for row in region.rows:
+            out = between if row.reduce == "scatter" else Replicate()
+            styles[row.linear] = RowwiseParallel(output_layouts=out)
+    for name in plan.sequence_modules:
+        styles[name] = SequenceParallel()
+    for head in plan.heads:
+        styles[head.module] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+    return styles
+
+
+def style_key(style: ParallelStyle) -> tuple[Any, ...]:
+    """What makes two styles the same split: the class and its layouts."""
+    fields = (
+        "input_layouts",
+        "output_layouts",
+        "desired_input_layouts",
+        "use_local_output",
+        "sequence_sharding",
+        "input_kwarg_layouts",
+        "desired_input_kwarg_layouts",
+    )
+    return (type(style).__name__, *(repr(getattr(style, f, None)) for f in fields))
