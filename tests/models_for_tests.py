@@ -302,3 +302,90 @@ class NeedsHooks(nn.Module):
             h = torch.relu(h)
         out: torch.Tensor = self.b(self.a(h))
         return out
+
+
+class _Expert(nn.Module):
+    """One Mixtral-style expert: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(width, hidden, bias=False)
+        self.w3 = nn.Linear(width, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
+
+
+class _SparseMoE(nn.Module):
+    """A Mixtral-style block: a router picks the top 2 of the experts for each token and
+    mixes their outputs by the renormalized router weights (every expert runs densely on
+    every token, the unpicked ones weighted 0, so the forward has no data-dependent
+    shapes)."""
+
+    def __init__(self, width: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(width, hidden) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1)
+        top, picked = torch.topk(probs, 2, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, picked, top / top.sum(-1, keepdim=True))
+        out: torch.Tensor | None = None
+        for k, expert in enumerate(self.experts):
+            part = weights[..., k : k + 1] * expert(x)
+            out = part if out is None else out + part
+        assert out is not None
+        return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.o = nn.Linear(width, width, bias=False)
+        self.head_dim = width // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        projected: torch.Tensor = self.o(out.transpose(1, 2).reshape(batch, seq, -1))
+        return projected
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, width: int, heads: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(width)
+        self.attn = _Attention(width, heads)
+        self.norm2 = nn.RMSNorm(width)
+        self.moe = _SparseMoE(width, hidden, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        out: torch.Tensor = x + self.moe(self.norm2(x))
+        return out
+
+
+class TinyMoE(nn.Module):
+    """A decoder of Mixtral-style sparse MoE blocks (4 experts, top 2) at a test size."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_MoEBlock(width, 4, 2 * width, 4) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits

@@ -26,7 +26,7 @@ from lamina.strategies.tp.derive import derive_plan
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.styles import style_key, torch_styles
 from lamina.testing import run_ranks
-from models_for_tests import full_params, tiny_gpt, tiny_llama
+from models_for_tests import TinyMoE, full_params, tiny_gpt, tiny_llama
 
 VOCAB, BATCH, SEQ = 64, 2, 16
 
@@ -134,7 +134,9 @@ def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _build(name: str) -> nn.Module:
-    return tiny_gpt() if name == "gpt" else tiny_llama(0)
+    if name == "moe":
+        return TinyMoE()
+    return tiny_gpt() if name == "gpt" else tiny_llama(0)  # llama, llama-given
 
 
 def _train_once(runtime: Any, name: str, follower: str, sp: bool, optimizer: str) -> dict[str, Any]:
@@ -152,7 +154,10 @@ def _train_once(runtime: Any, name: str, follower: str, sp: bool, optimizer: str
     replicas = runtime.world_size // runtime.mesh.size("tp")
     xs = [_ids(10 + k) for k in range(5 * replicas)]
     ys = [_ids(100 + k) for k in range(5 * replicas)]
-    ours = lamina.distribute(ours, ["tp", follower], example_inputs=(xs[0],), sequence_parallel=sp)
+    given = {"plan": _torchtitan_llama_plan(2)} if name == "llama-given" else {}
+    ours = lamina.distribute(
+        ours, ["tp", follower], example_inputs=(xs[0],), sequence_parallel=sp, **given
+    )
 
     def make(params: Any) -> torch.optim.Optimizer:
         if optimizer == "sgd":
@@ -182,7 +187,13 @@ def _train_once(runtime: Any, name: str, follower: str, sp: bool, optimizer: str
     )
     plan = ours.execution_plan  # type: ignore[union-attr]
     axes = sorted({n.collective.axis for n in plan.collectives() if n.collective is not None})
-    return {"loss": max(loss_errors), "params": diff, "strategy": plan.strategy, "axes": axes}
+    return {
+        "loss": max(loss_errors),
+        "params": diff,
+        "strategy": plan.strategy,
+        "axes": axes,
+        "source": tensor_plan.source,
+    }
 
 
 #: Sequence parallelism on and off, SGD and AdamW, on each model.
@@ -191,6 +202,9 @@ CASES = [
     ("gpt", False, "sgd"),
     ("llama", True, "sgd"),
     ("llama", False, "adamw"),
+    ("moe", True, "adamw"),
+    ("moe", False, "sgd"),
+    ("llama-given", True, "adamw"),  # torchtitan's hand-written plan, given
 ]
 
 
@@ -217,4 +231,225 @@ def test_tp_by_zero3_trains_as_one_process(
         assert got["loss"] <= 1e-6, (rank, got)
         assert got["params"] <= 1e-5, (rank, got)
         assert got["strategy"] == "tp+zero3"
+        assert got["source"] == (
+            "given as torch ParallelStyle objects"
+            if name == "llama-given"
+            else "derived from the captured graph"
+        )
         assert got["axes"] == ["fsdp", "tp", "world"]
+
+
+def test_a_given_plan_that_splits_part_of_a_region_or_a_missing_module_is_one_line() -> None:
+    from lamina.strategies.tp.given import plan_from_styles
+
+    model = tiny_llama()
+    derived = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True)
+    partial = {"model.layers.0.self_attn.q_proj": ColwiseParallel()}
+    with pytest.raises(ConfigError, match=r"splits part of model\.layers\.0\.self_attn but not"):
+        plan_from_styles(partial, derived, model)
+    with pytest.raises(ConfigError, match="does not have"):
+        plan_from_styles({"model.nope": ColwiseParallel()}, derived, model)
+    swapped = _torchtitan_llama_plan(2)
+    swapped["model.layers.0.mlp.down_proj"] = ColwiseParallel()
+    with pytest.raises(ConfigError, match=r"down_proj a ColwiseParallel.*row-parallel"):
+        plan_from_styles(swapped, derived, model)
+
+
+def test_the_given_torchtitan_plan_is_the_derived_plan() -> None:
+    from lamina.strategies.tp.given import plan_from_styles
+
+    model = tiny_llama()
+    derived = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True)
+    given = plan_from_styles(_torchtitan_llama_plan(2), derived, model)
+    assert given.lines()[1:] == derived.lines()[1:]
+
+
+def test_plan_explain_prints_the_layer_plan_and_each_activation_collective() -> None:
+    from lamina.runtime import explain
+    from lamina.strategies.tp.plan_nodes import build_tensor_plan
+
+    model = tiny_llama()
+    layers = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True)
+    text = explain(build_tensor_plan(layers, model, (0, 1), "tp", 4, "gloo"))
+    assert "layer plan" in text
+    assert "region model.layers.0.self_attn: column model.layers.0.self_attn.q_proj" in text
+    assert "tp.model.layers.0.self_attn.o_proj.fwd" in text  # its reduce-scatter
+    assert "reduce_scatter" in text and "all_gather" in text
+
+
+#: tp x HSDP on 2 hosts x 2 ranks: tp inside each host, replicas across the hosts.
+HSDP_CASES = [("gpt", True, "adamw"), ("llama", False, "sgd"), ("moe", True, "sgd")]
+
+
+def _tp_hsdp_job() -> dict[str, Any]:
+    runtime = lamina.init(mesh={"dp": 2, "fsdp": 1, "tp": 2})
+    results = {f"{n}/{sp}/{o}": _train_once(runtime, n, "hsdp", sp, o) for n, sp, o in HSDP_CASES}
+    lamina.shutdown()
+    return results
+
+
+@pytest.fixture(scope="module")
+def tp_hsdp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import json
+
+    from topologies_for_tests import two_hosts_of_two
+
+    path = tmp_path_factory.mktemp("tp_hsdp") / "two_hosts_of_two.json"
+    path.write_text(json.dumps(two_hosts_of_two()))
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu"), "LAMINA_TOPOLOGY": str(path)}
+    return run_ranks(_tp_hsdp_job, 4, env=env, timeout=600)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("name", "sp", "optimizer"), HSDP_CASES)
+def test_tp_by_hsdp_across_two_hosts_trains_as_one_process(
+    tp_hsdp_results: list[dict[str, Any]], name: str, sp: bool, optimizer: str
+) -> None:
+    for rank, results in enumerate(tp_hsdp_results):
+        got = results[f"{name}/{sp}/{optimizer}"]
+        assert got["loss"] <= 1e-6, (rank, got)
+        assert got["params"] <= 1e-5, (rank, got)
+        assert got["strategy"] == "tp+hsdp"
+        assert {"dp", "tp"} <= set(got["axes"]), got["axes"]
+
+
+def _checkpoint_save(name: str, directory: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from _gpt_model import lm_loss
+
+    runtime = lamina.init(mesh={"fsdp": 2, "tp": 2})
+    torch.manual_seed(0)
+    x = _ids(1)
+    model = lamina.distribute(_build(name), ["tp", "zero3"], example_inputs=(x,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lm_loss(_logits(model, x), x).backward()  # weights moved off their initial values
+    opt.step()
+    dcp.save(get_model_state_dict(model), checkpoint_id=directory)
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if runtime.rank == 0:
+        torch.save(whole, os.path.join(directory, "expected.pt"))
+    lamina.shutdown()
+
+
+def _checkpoint_load(name: str, directory: str, mesh: dict[str, int]) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    lamina.init(mesh=mesh)
+    torch.manual_seed(1)  # other weights than the saved ones
+    model = lamina.distribute(_build(name), ["tp", "zero3"], example_inputs=(_ids(1),))
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state)
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    expected = torch.load(os.path.join(directory, "expected.pt"))
+    diff = max((whole[k] - expected[k]).abs().max().item() for k in expected)
+    lamina.shutdown()
+    return diff
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_checkpoint_saved_under_tp2_fsdp2_loads_under_other_layouts_exactly(
+    name: str, tmp_path: Any
+) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    directory = str(tmp_path / "ckpt")
+    run_ranks(_checkpoint_save, 4, args=(name, directory), env=env, timeout=300)
+    loads = {
+        "tp1xfsdp4": run_ranks(
+            _checkpoint_load, 4, args=(name, directory, {"fsdp": 4, "tp": 1}), env=env
+        ),
+        "tp2xfsdp1": run_ranks(
+            _checkpoint_load, 2, args=(name, directory, {"fsdp": 1, "tp": 2}), env=env
+        ),
+    }
+    assert {k: max(v) for k, v in loads.items()} == {"tp1xfsdp4": 0.0, "tp2xfsdp1": 0.0}
+    dcp_to_torch_save(directory, str(tmp_path / "whole.pt"))  # one process, no job
+    whole = torch.load(tmp_path / "whole.pt")
+    expected = torch.load(os.path.join(directory, "expected.pt"))
+    assert all(torch.equal(whole[k], expected[k]) for k in expected)
+    assert not all(torch.equal(expected[k], v) for k, v in _build(name).state_dict().items())
+
+
+def _meta_init(strategies: Any, mesh: dict[str, int]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from _gpt_model import lm_loss
+
+    runtime = lamina.init(mesh=mesh)
+    x = _ids(1)
+    whole = tiny_llama(0).state_dict()
+    with torch.device("meta"):
+        model = tiny_llama(0)
+    model = lamina.distribute(model, strategies, example_inputs=(x,))
+    try:
+        model(x)
+        before = "no error"
+    except ConfigError as exc:
+        before = str(exc)
+    model.to_empty(device="cpu")
+    local_numel = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+    )
+    torch.manual_seed(7)  # initialized shard by shard: two runs with one seed agree
+    seeded = [
+        (p.to_local() if hasattr(p, "to_local") else p).detach().normal_().clone()
+        for p in model.parameters()
+    ]
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():  # buffers outside the state dict (rotary frequencies)
+        for name, buf in tiny_llama(0).named_buffers():
+            model.get_buffer(name).copy_(buf)
+    reference = lamina.distribute(tiny_llama(0), strategies, example_inputs=(x,))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    for step in range(3):
+        for m, opt in zip((model, reference), opts, strict=True):
+            lm_loss(_logits(m, _ids(20 + step)), _ids(30 + step)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    diff = max(
+        (a.to_local() - b.to_local() if hasattr(a, "to_local") else a - b).abs().max().item()
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    lamina.shutdown()
+    return {
+        "before": before,
+        "local_numel": local_numel,
+        "seeded": [t.sum().item() for t in seeded],
+        "diff": diff,
+        "world": runtime.world_size,
+    }
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("strategies", "mesh"),
+    [("tp", {"tp": 2}), (["tp", "zero3"], {"fsdp": 2, "tp": 2})],
+    ids=["tp", "tp+zero3"],
+)
+def test_a_model_built_on_meta_materializes_only_its_shards_and_trains_as_one_built_on_cpu(
+    strategies: Any, mesh: dict[str, int]
+) -> None:
+    world = 1
+    for size in mesh.values():
+        world *= size
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    first = run_ranks(_meta_init, world, args=(strategies, mesh), env=env, timeout=300)
+    second = run_ranks(_meta_init, world, args=(strategies, mesh), env=env, timeout=300)
+    total = sum(p.numel() for p in tiny_llama(0).parameters())
+    norms = sum(p.numel() for n, p in tiny_llama(0).named_parameters() if "norm" in n)
+    for a, b in zip(first, second, strict=True):
+        assert a["before"].count("\n") == 0 and "meta device" in a["before"]
+        assert a["seeded"] == b["seeded"]  # the same seed, the same weights
+        assert a["diff"] <= 1e-6, a
+        # 1/N of the model, plus the replicated norms (tp alone) and alignment (zero3)
+        assert a["local_numel"] <= total / world + norms + 64, (a["local_numel"], total)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +19,14 @@ from torch.distributed import HashStore, PrefixStore, Store, TCPStore  # type: i
 from lamina.device.backend import Backend
 from lamina.device.handle import DeviceHandle
 from lamina.device.kernels import KernelLauncher
-from lamina.device.mesh import TOPOLOGY_AXES, DeviceMesh, grid_lines, planned_grid
+from lamina.device.mesh import (
+    TOPOLOGY_AXES,
+    DeviceMesh,
+    axes_from_dict,
+    grid_lines,
+    planned_grid,
+    tp_axis_warning,
+)
 from lamina.device.sharing import check_ranks_fit, collective_backend
 from lamina.device.topology import HostTopology, Topology, merge_host_topologies
 from lamina.device.topology_file import load_topology
@@ -27,7 +36,9 @@ from lamina.plugins import PluginRegistry, get_registry
 #: Environment variable naming a declared topology file that replaces discovery.
 TOPOLOGY_ENV = "LAMINA_TOPOLOGY"
 
-MeshSpec = Literal["flat", "topology"] | tuple[tuple[int, ...], tuple[str, ...]]
+#: ``"flat"``, ``"topology"``, ``(shape, axis_names)`` or ``{"dp": 1, "fsdp": 2, "tp": 2}``
+#: (outermost axis first, at most four).
+MeshSpec = Literal["flat", "topology"] | tuple[tuple[int, ...], tuple[str, ...]] | Mapping[str, int]
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,9 @@ def init(
     discovered per rank and merged; ``"probe"``: discovered, then every host pair's link
     measured with send/recv, :mod:`lamina.device.probe`) and the device mesh:
     ``"flat"`` (one axis ``dp``), ``"topology"`` (``inter`` x ``intra`` from fast
-    domains) or ``(shape, axis_names)``.
+    domains), ``(shape, axis_names)`` or a dict of up to four axes such as
+    ``{"dp": 1, "fsdp": 2, "tp": 2}`` (outermost first); a ``"tp"`` axis whose groups
+    leave a fast domain of the topology is warned about.
     Calling it again returns the same runtime.
     """
     global _RUNTIME
@@ -359,10 +372,13 @@ def _mesh_axes(spec: MeshSpec) -> tuple[tuple[int, ...] | None, tuple[str, ...]]
         return None, ("dp",)
     if spec == "topology":
         return None, TOPOLOGY_AXES
+    if isinstance(spec, Mapping):
+        return axes_from_dict(spec)
     if isinstance(spec, tuple) and len(spec) == 2:
         return tuple(spec[0]), tuple(spec[1])
     raise ConfigError(
-        f"mesh={spec!r} is not understood; use 'flat', 'topology' or (shape, axis_names)"
+        f"mesh={spec!r} is not understood; use 'flat', 'topology', (shape, axis_names) "
+        "or a dict such as {'dp': 2, 'tp': 2}"
     )
 
 
@@ -387,4 +403,8 @@ def _build_mesh(spec: MeshSpec, device_type: str, topology: Topology) -> DeviceM
     shape, names = _mesh_axes(spec)
     if shape is None and spec == "topology":
         return DeviceMesh.from_topology(device_type, topology)
-    return DeviceMesh.from_shape(device_type, shape or (topology.world_size,), names, topology)
+    mesh = DeviceMesh.from_shape(device_type, shape or (topology.world_size,), names, topology)
+    warning = tp_axis_warning(mesh.ranks(), mesh.axis_names, topology)
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=3)
+    return mesh

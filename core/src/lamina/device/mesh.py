@@ -1,14 +1,17 @@
-"""DeviceMesh v2: torch's DeviceMesh with named axes, shaped by the topology.
+"""DeviceMesh v2: torch's DeviceMesh with up to four named axes, shaped by the topology.
 
 Vocabulary: a mesh *axis* is one dimension of the rank grid (``"inter"``, ``"intra"``,
-``"dp"``); tensor dimensions are called *dims* elsewhere. The innermost axis groups
-ranks joined by fast links, so collectives along it stay inside a fast domain.
+``"dp"``, ``"fsdp"``, ``"tp"``); tensor dimensions are called *dims* elsewhere. Ranks are
+laid out in order with the last axis innermost, so the innermost axis should group ranks
+joined by fast links (:func:`tp_axis_warning` says when a ``"tp"`` axis does not). A
+process group spans one axis, all axes, or any other subset (:meth:`DeviceMesh.group_over`,
+a flattened torch sub-mesh).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,63 @@ from lamina.errors import MeshError
 
 #: Axis names used when a mesh is factorized from a topology.
 TOPOLOGY_AXES: tuple[str, str] = ("inter", "intra")
+
+#: Most axes a mesh may have.
+MAX_MESH_AXES = 4
+
+#: The axis :func:`tp_axis_warning` expects inside one fast domain.
+TP_AXIS = "tp"
+
+
+def axes_from_dict(axes: Mapping[str, int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, axis names) of ``{"dp": 1, "fsdp": 2, "tp": 2}``: insertion order is
+    outermost first. Raises :class:`MeshError` for a bad entry or more than
+    :data:`MAX_MESH_AXES` axes; the product is checked against the world size later."""
+    names = tuple(axes)
+    if not names:
+        raise MeshError("mesh dict {} has no axes; give at least one, e.g. {'dp': 2}")
+    _check_axis_count(names)
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise MeshError(f"mesh axis name {name!r} is not a non-empty string; name every axis")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise MeshError(f"mesh axis {name!r} has size {size!r}; give a whole number >= 1")
+    return tuple(axes[n] for n in names), names
+
+
+def tp_axis_warning(
+    grid: Sequence[object],
+    axis_names: Sequence[str],
+    topology: Topology,
+) -> str | None:
+    """One line naming the first ``"tp"`` group that leaves a fast domain, or None.
+
+    ``grid`` is the rank grid (as :func:`planned_grid` gives it); a tp group is the ranks
+    that share every other coordinate. None when the mesh has no ``"tp"`` axis or the
+    topology declares no fast domains.
+    """
+    if TP_AXIS not in axis_names or not topology.fast_domains:
+        return None
+    ranks = torch.tensor(grid, dtype=torch.long)
+    axis = list(axis_names).index(TP_AXIS)
+    groups = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+    per_domain = min(len(d.ranks) for d in topology.fast_domains)
+    for group in groups:
+        domains = [_domain_name(topology, r) for r in group]
+        for i in range(1, len(group)):
+            if domains[i] != domains[i - 1]:
+                return (
+                    f'mesh axis "tp" group {group} spans fast domains {domains[i - 1]} and '
+                    f"{domains[i]} (ranks {group[i - 1]} and {group[i]}): tensor-parallel "
+                    f'traffic crosses the slow link; put "tp" last (innermost) in the mesh '
+                    f"or make it at most {per_domain} ranks (the ranks per fast domain)"
+                )
+    return None
+
+
+def _domain_name(topology: Topology, rank: int) -> str:
+    domain = topology.domain_of(rank)
+    return repr(domain.name) if domain is not None else "(none)"
 
 
 def factorize_topology(topology: Topology) -> list[list[int]]:
@@ -77,6 +137,8 @@ class DeviceMesh:
     def __init__(self, torch_mesh: TorchDeviceMesh, topology: Topology | None = None) -> None:
         self._torch_mesh: TorchDeviceMesh | None = torch_mesh
         self.topology = topology
+        #: Groups over 2+ axes (not all), by axes in mesh order: created once, reused.
+        self._subset_groups: dict[tuple[str, ...], tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
 
     @property
     def torch_mesh(self) -> TorchDeviceMesh:
@@ -88,6 +150,7 @@ class DeviceMesh:
     def release(self) -> None:
         """Drop the torch mesh (and through it the per-axis process groups)."""
         self._torch_mesh = None
+        self._subset_groups.clear()
 
     @classmethod
     def from_shape(
@@ -143,8 +206,10 @@ class DeviceMesh:
         """This rank's process group spanning the named ``axes``, and its global ranks.
 
         Every axis: the default group (``None``, the whole job). One axis: that axis's
-        group. Another subset (a mesh of three or more axes) is refused with a
-        :class:`MeshError` saying so.
+        group. Any other subset: the torch sub-mesh over those axes (in mesh order),
+        flattened into one group. That group is created on the first call for those axes
+        (collective: every rank must ask for the same new subsets in the same order) and
+        returned again by later calls.
         """
         names = self._ordered(axes)
         if len(names) == len(self.shape):
@@ -152,10 +217,18 @@ class DeviceMesh:
         if len(names) == 1:
             group = self.group(names[0])
             return group, tuple(dist.get_process_group_ranks(group))
-        raise MeshError(
-            f"a group over axes {list(names)} of a {len(self.shape)}-axis mesh is not "
-            "supported yet; place the strategy on one axis or on all of them"
-        )
+        cached = self._subset_groups.get(names)
+        if cached is None:
+            flat = self.torch_mesh[names]._flatten(mesh_dim_name="+".join(names))
+            group = flat.get_group()
+            cached = (group, tuple(dist.get_process_group_ranks(group)))
+            self._subset_groups[names] = cached
+        return cached
+
+    def submesh(self, axes: Sequence[str]) -> TorchDeviceMesh:
+        """The torch sub-mesh over ``axes`` (one dimension per axis, in mesh order), for
+        building DTensors; it reuses the per-axis groups and creates none."""
+        return self.torch_mesh[self._ordered(axes)]
 
     def axes_label(self, axes: Sequence[str]) -> str:
         """``"intra"``, ``"inter+intra"``: the axes in mesh order, as plans name groups."""
@@ -199,7 +272,16 @@ class DeviceMesh:
         return f"DeviceMesh({self.torch_mesh.device_type}: {axes})"
 
 
+def _check_axis_count(axis_names: Sequence[str]) -> None:
+    if len(axis_names) > MAX_MESH_AXES:
+        raise MeshError(
+            f"mesh has {len(axis_names)} axes {tuple(axis_names)} but at most {MAX_MESH_AXES} "
+            "are supported; merge some axes"
+        )
+
+
 def _check_shape(shape: Sequence[int], axis_names: Sequence[str], world_size: int) -> None:
+    _check_axis_count(axis_names)
     if len(shape) != len(axis_names):
         raise MeshError(
             f"mesh shape {tuple(shape)} has {len(shape)} axes but {len(axis_names)} names "

@@ -8,6 +8,9 @@ from lamina.runtime.log import RunLog
 from lamina.runtime.plan import ExecutionPlan
 from lamina.units import format_bytes
 
+#: The ``meta`` key of a plan's per-layer plan (tensor parallelism's splits), one line each.
+LAYER_PLAN = "layer_plan"
+
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -20,16 +23,18 @@ def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
 def explain(plan: ExecutionPlan, log: RunLog | None = None) -> str:
     """Header, nodes in execution order, the collective sequence with bytes, and every
     declared fallback with whether (and why) it was taken."""
-    meta = ", ".join(f"{k}={v}" for k, v in plan.meta)
+    meta = ", ".join(f"{k}={v}" for k, v in plan.meta if k != LAYER_PLAN)
     lines = [
         f"execution plan: {plan.strategy} on {plan.backend}, {plan.world_size} rank(s), "
         f"{len(plan.nodes)} nodes, {len(plan.edges)} edges",
         f"  plan fingerprint  {plan.fingerprint[:16]}",
         f"  graph fingerprint {plan.graph_fingerprint[:16]}",
         f"  settings          {meta}",
-        "",
-        "nodes (execution order)",
     ]
+    layer_plan = dict(plan.meta).get(LAYER_PLAN)
+    if layer_plan:
+        lines += ["", "layer plan", *(f"  {line}" for line in layer_plan.split("\n"))]
+    lines += ["", "nodes (execution order)"]
     node_rows: list[tuple[str, ...]] = [("#", "node", "kind", "phase", "what")]
     for k, node_id in enumerate(plan.topological_order()):
         node = plan.node(node_id)

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
@@ -50,7 +51,14 @@ class ComposedModule(nn.Module):
             if node.kind == "collective"
         )
         names = "+".join((*(p.strategy for p in self.lamina_composed), inner.strategy))
-        return replace(inner, strategy=names, nodes=(*extra, *inner.nodes))
+        metas = tuple(item for plan in self.lamina_composed for item in plan.meta)
+        return replace(
+            inner,
+            strategy=names,
+            nodes=(*extra, *inner.nodes),
+            meta=(*metas, *inner.meta),
+            _index={},  # built again for these nodes (the inner plan keeps its own)
+        )
 
 
 def distribute_composed(
@@ -78,9 +86,22 @@ def distribute_composed(
         )
         if strategy is not chosen[-1]:
             plans.append(held.execution_plan)  # type: ignore[arg-type]
+    _attach_views(held, runtime.mesh, where[chosen[-1].name])
     held = extend_class(held, ComposedModule, {}, "lamina_composed", tuple(plans))
     held.__dict__[DISTRIBUTED_WITH] = "+".join(s.name for s in chosen)
     return held
+
+
+def _attach_views(model: nn.Module, mesh: DeviceMesh, sharded: Placement) -> None:
+    """Tensor parallelism's whole-tensor state-dict views placed beside the sharded
+    strategy's mesh (collective: the combined meshes' groups)."""
+    tp = model.__dict__.get("lamina_tp")
+    sharded_mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if tp is None or sharded_mesh is None:
+        return
+    axes = tuple(a for a in mesh.axis_names if a in (*sharded.shard, *sharded.replicate))
+    tp_axis = next(a for a in mesh.axis_names if a not in axes)
+    tp.views.attach(mesh.torch_mesh, tp_axis, sharded_mesh, axes)
 
 
 def _check_order(names: list[str]) -> None:

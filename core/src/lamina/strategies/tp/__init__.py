@@ -33,10 +33,12 @@ from lamina.strategies.extension import extend_class
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.apply import apply_plan
 from lamina.strategies.tp.derive import derive_plan
+from lamina.strategies.tp.given import plan_from_styles, wants_sequence_parallel
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.module import TensorParallelism, TensorParallelModule
 from lamina.strategies.tp.options import TensorParallelOptions
 from lamina.strategies.tp.plan_nodes import build_tensor_plan
+from lamina.strategies.tp.state import GlobalViews, ParamSplit
 
 #: The mesh axis tensor parallelism goes on by default.
 TP_AXIS = "tp"
@@ -77,11 +79,13 @@ class TensorParallelStrategy(Strategy):
             )
         group, ranks = ctx.mesh.group_over(placement.shard)
         tp = TensorGroup(group, len(ranks), ranks.index(ctx.rank))
-        args: Any = _on_device(options.example_inputs or (), ctx)
-        kwargs: Any = _on_device(options.example_kwargs or {}, ctx)
-        layers = derive_plan(
-            model, args, kwargs, tp.size, sequence_parallel=options.sequence_parallel
-        )
+        args: Any = _on_device(options.example_inputs or (), ctx, model)
+        kwargs: Any = _on_device(options.example_kwargs or {}, ctx, model)
+        given = options.plan
+        sequence = options.sequence_parallel if given is None else wants_sequence_parallel(given)
+        layers = derive_plan(model, args, kwargs, tp.size, sequence_parallel=sequence)
+        if given is not None:
+            layers = plan_from_styles(given, layers, model)
         axis = ctx.mesh.axes_label(placement.shard)
         backend = str(dist.get_backend(group))
         plan = build_tensor_plan(layers, model, ranks, axis, ctx.world_size, backend)
@@ -91,24 +95,30 @@ class TensorParallelStrategy(Strategy):
             plan,
             (("tensor_plan", layers.lines()),),
             SetupBroadcast(state, 0, None),  # the whole model, before it is split
-            (layers, tp),
+            (layers, tp, ctx.mesh.torch_mesh, placement.shard[0]),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model itself, split in place as the plan says."""
-        layers, tp = planned.inputs
+        layers, tp, root, axis = planned.inputs
         assert isinstance(layers, TensorPlan)
         model = planned.module
-        apply_plan(model, layers, tp)
-        state = TensorParallelism(layers, tp, planned.plan, planned.log(), planned.preflight)
+        applied = apply_plan(model, layers, tp)
+        splits = {n: ParamSplit(*split) for n, split in applied.splits.items()}
+        views = GlobalViews(splits, tp)
+        views.attach(root, axis, None)
+        state = TensorParallelism(layers, tp, planned.plan, planned.log(), planned.preflight, views)
         return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
 
 
-def _on_device(value: object, ctx: StrategyContext) -> object:
-    """Example inputs moved to the model's device (meta for a model built there)."""
+def _on_device(value: object, ctx: StrategyContext, model: nn.Module) -> object:
+    """Example inputs moved to the model's device (meta for a model built there: the
+    plan is derived from shapes alone)."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    device = torch.device("meta") if on_meta else ctx.device
 
     def move(t: object) -> object:
-        return t.to(ctx.device) if isinstance(t, torch.Tensor) else t
+        return t.to(device) if isinstance(t, torch.Tensor) else t
 
     return pytree.tree_map(move, value)
 

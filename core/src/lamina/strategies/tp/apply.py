@@ -29,14 +29,41 @@ from lamina.strategies.tp.activation_ops import (
 from lamina.strategies.tp.layers import Region, Row, TensorPlan
 
 Hook = Callable[..., Any]
+#: Parameter (id or name) -> (split dim, chunks, whole shape).
+Splits = dict[Any, tuple[int, int, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What :func:`apply_plan` did: its hook handles, and each split parameter's split
+    by every name it has."""
+
+    handles: list[Any]
+    splits: Splits
 
 
 @dataclass
-class _RegionInputs:
-    """The activations a region's column linears received this forward, each copied in
-    once (so its gradient is summed once)."""
+class _Entered:
+    """The activations column-parallel layers received this forward, each prepared once
+    (gathered on the sequence with sequence parallelism, then copied in: its gradient
+    is summed once however many layers read it); cleared when the forward ends."""
 
-    copied: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    prepared: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def hook(self, plan: TensorPlan, tp: TensorGroup, gathers: bool) -> Hook:
+        """A forward pre-hook giving a column-parallel layer its prepared input
+        (``gathers``: the input is still a sequence slice, gathered here)."""
+
+        def enter(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            held = self.prepared.get(id(x))
+            if held is None or held[0] is not x:  # held[0] stays alive: no id reuse
+                ready = gather(x, plan.seq_dim, tp) if gathers else x
+                held = (x, copy_in(ready, tp))
+                self.prepared[id(x)] = held
+            return (held[1], *args[1:])
+
+        return enter
 
 
 def shard_rows(tensor: torch.Tensor, tp: TensorGroup, chunks: int = 1) -> torch.Tensor:
@@ -51,82 +78,84 @@ def shard_columns(tensor: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
     return tensor.chunk(tp.size, dim=-1)[tp.index]
 
 
-def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> list[Any]:
-    """``model`` split as ``plan`` says, in place; returns the hook handles."""
+def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
+    """``model`` split as ``plan`` says, in place."""
     handles: list[Any] = []
-    done: set[int] = set()
+    done: Splits = {}
+    entered = _Entered()
     for region in plan.regions:
-        handles += _apply_region(model, region, plan, tp, done)
+        handles += _apply_region(model, region, plan, tp, done, entered)
     for emb in plan.embeddings:
         module: Any = model.get_submodule(emb.module)
-        _swap(module.weight, shard_rows(module.weight.detach(), tp), done)
+        _swap(module.weight, 0, 1, tp, done)
         module.forward = _vocab_lookup(module, tp)  # type: ignore[method-assign]
     for head in plan.heads:
         module = model.get_submodule(head.module)
-        _swap(module.weight, shard_rows(module.weight.detach(), tp), done)
+        _swap(module.weight, 0, 1, tp, done)
         if getattr(module, "bias", None) is not None:
-            _swap(module.bias, shard_rows(module.bias.detach(), tp), done)
-        entry = _head_entry(plan, tp)
-        handles.append(module.register_forward_pre_hook(entry))
+            _swap(module.bias, 0, 1, tp, done)
+        handles.append(
+            module.register_forward_pre_hook(entered.hook(plan, tp, plan.sequence_parallel))
+        )
         handles.append(module.register_forward_hook(lambda _m, _a, out: gather(out, -1, tp)))
     if plan.sequence_parallel:
         handles += _apply_sequence(model, plan, tp)
-    return handles
+
+    def forget(_m: nn.Module, _a: Any, _out: Any) -> None:
+        entered.prepared.clear()
+
+    handles.append(model.register_forward_hook(forget))
+    names = {
+        name: done[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in done
+    }
+    return Applied(handles, names)
 
 
 def _apply_region(
-    model: nn.Module, region: Region, plan: TensorPlan, tp: TensorGroup, done: set[int]
+    model: nn.Module,
+    region: Region,
+    plan: TensorPlan,
+    tp: TensorGroup,
+    done: Splits,
+    entered: _Entered,
 ) -> list[Any]:
     handles: list[Any] = []
-    inputs = _RegionInputs()
     for column in region.columns:
         linear: Any = model.get_submodule(column.linear)
-        _swap(linear.weight, shard_rows(linear.weight.detach(), tp, column.chunks), done)
+        _swap(linear.weight, 0, column.chunks, tp, done)
         if linear.bias is not None:
-            _swap(linear.bias, shard_rows(linear.bias.detach(), tp, column.chunks), done)
-        handles.append(linear.register_forward_pre_hook(_copy_once(inputs, tp)))
+            _swap(linear.bias, 0, column.chunks, tp, done)
+        gathers = plan.sequence_parallel and not region.owned
+        handles.append(linear.register_forward_pre_hook(entered.hook(plan, tp, gathers)))
     for row in region.rows:
         linear = model.get_submodule(row.linear)
-        _swap(linear.weight, shard_columns(linear.weight.detach(), tp), done)
+        _swap(linear.weight, -1, 1, tp, done)
         linear.forward = _row_forward(linear, row, plan, tp)  # type: ignore[method-assign]
     module = model.get_submodule(region.module)
-    if plan.sequence_parallel:
-        handles.append(
-            module.register_forward_pre_hook(
-                _gather_entry(region.entry, plan, tp), with_kwargs=True
-            )
-        )
-        if any(r.reduce == "sum" for r in region.rows):
-            handles.append(module.register_forward_hook(_slice_exit(plan, tp)))
-
-    def forget(_m: nn.Module, _a: Any, _out: Any) -> None:
-        inputs.copied.clear()
-
-    handles.append(module.register_forward_hook(forget))
+    if plan.sequence_parallel and region.owned:
+        # the module sees its input whole (attention reads the sequence length off it)
+        entry = _gather_entry(region.entry, plan, tp)
+        handles.append(module.register_forward_pre_hook(entry, with_kwargs=True))
+    if plan.sequence_parallel and any(r.reduce == "sum" for r in region.rows):
+        # partial outputs summed whole (several rows feed the output): keep this slice
+        handles.append(module.register_forward_hook(_slice_exit(plan, tp)))
     return handles
 
 
-def _swap(param: Any, local: torch.Tensor, done: set[int]) -> None:
-    """``param`` (the same object) becomes ``local`` (once: tied weights are split once)."""
+def _swap(param: Any, dim: int, chunks: int, tp: TensorGroup, done: Splits) -> None:
+    """``param`` (the same object) becomes its slice on ``dim`` (once: tied weights are
+    split once), recorded in ``done``."""
     if id(param) in done:
         return
-    done.add(id(param))
+    whole = param.detach()
+    done[id(param)] = (dim, chunks, tuple(whole.shape))
+    local = shard_rows(whole, tp, chunks) if dim == 0 else shard_columns(whole, tp)
     assert isinstance(param, nn.Parameter)
     replacement = nn.Parameter(local.clone(), requires_grad=param.requires_grad)
     replacement.__dict__.update(param.__dict__)
     torch.utils.swap_tensors(param, replacement)  # type: ignore[no-untyped-call]
-
-
-def _copy_once(inputs: _RegionInputs, tp: TensorGroup) -> Hook:
-    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        held = inputs.copied.get(id(x))
-        if held is None or held[0] is not x:
-            held = (x, copy_in(x, tp))
-            inputs.copied[id(x)] = held
-        return (held[1], *args[1:])
-
-    return hook
 
 
 def _row_forward(linear: Any, row: Row, plan: TensorPlan, tp: TensorGroup) -> Hook:
@@ -165,16 +194,6 @@ def _vocab_lookup(module: Any, tp: TensorGroup) -> Hook:
         return sum_out(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
 
     return forward
-
-
-def _head_entry(plan: TensorPlan, tp: TensorGroup) -> Hook:
-    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        if plan.sequence_parallel:
-            x = gather(x, plan.seq_dim, tp)
-        return (copy_in(x, tp), *args[1:])
-
-    return hook
 
 
 def _gather_entry(entry: int | str, plan: TensorPlan, tp: TensorGroup) -> Hook:

@@ -399,7 +399,7 @@ def _assemble(
             why = "its output leaves the model split" if facts.output else "no row linear"
             replicated += [(name, why) for name in linears]
         else:
-            regions.append(_region(facts, recorded.calls))
+            regions.append(_region(facts, recorded.calls, model))
     embeddings = [
         VocabLayer(name, tuple(out.shape), dtype_name(out.dtype))
         for name, out in deriver.embeddings.items()
@@ -413,7 +413,7 @@ def _assemble(
     return _with_sequence(plan, recorded, model)
 
 
-def _region(facts: _RegionFacts, calls: list[ModuleCall]) -> Region:
+def _region(facts: _RegionFacts, calls: list[ModuleCall], model: nn.Module) -> Region:
     """The region's module (the innermost holding all its linears), its entry argument
     and the activations' shapes."""
     names = [*facts.columns, *facts.rows]
@@ -432,6 +432,12 @@ def _region(facts: _RegionFacts, calls: list[ModuleCall]) -> Region:
         tuple(x.shape),
         tuple(out.shape),
         dtype_name(x.dtype),
+        owned={
+            n
+            for n, m in model.get_submodule(module).named_modules(prefix=module)
+            if isinstance(m, nn.Linear)
+        }
+        == set(names),
     )
 
 
@@ -485,7 +491,12 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
         return plan
     first = plan.regions[0].module
     split_at = _block_of(first, model)
-    boundaries = {r.module for r in plan.regions} | {h.module for h in plan.heads}
+    # regions with a module of their own (gathered entering it) or whose output is summed
+    # whole are followed as wholes; the others start at their column linears (each
+    # gathers) and end at their row linear (reduce-scattered onto the slices)
+    whole = {r.module for r in plan.regions if r.owned or any(w.reduce == "sum" for w in r.rows)}
+    boundaries = whole | {h.module for h in plan.heads}
+    columns, rows = plan.columns(), plan.rows()
     split_call = next(c for c in recorded.calls if c.name == split_at)
     entry = next(iter(split_call.args.values()))
     if entry.dim() < 2 or entry.shape[1] % plan.size:
@@ -509,9 +520,15 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
             inside_until = max(c.end for c in opened)
             if index < inside_until:
                 continue
+        name = getattr(rec.func, "__name__", str(rec.func))
+        owner = rec.stack[-1] if rec.stack else ""
+        if name == "linear" and owner in columns:
+            continue  # into a region: gathered, its activations whole
+        if name == "linear" and owner in rows:
+            sliced.update(id(t) for t in rec.outputs)  # reduce-scattered onto the slices
+            continue
         if not rec.outputs or not any(id(t) in sliced for t in rec.inputs):
             continue
-        name = getattr(rec.func, "__name__", str(rec.func))
         if not _token_wise(name, rec):
             where = rec.stack[-1] if rec.stack else "the model"
             raise ConfigError(
@@ -519,7 +536,6 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
                 "sequence slices; pass sequence_parallel=False"
             )
         sliced.update(id(t) for t in rec.outputs)
-        owner = rec.stack[-1] if rec.stack else ""
         if any(isinstance(t, nn.Parameter) for t in rec.inputs) and owner not in modules:
             modules.append(owner)
     if any(id(t) in sliced for t in recorded.outputs):
@@ -549,7 +565,27 @@ def _token_wise(name: str, rec: OpRecord) -> bool:
     if name == "__getitem__":
         out = rec.outputs[0]
         return _index_dim(rec.args[1], tuple(x.shape), 1) == 1 and out.shape[:2] == x.shape[:2]
+    if name in ("linear", "zeros_like", "ones_like", "full_like", "empty_like"):
+        return True  # a replicated linear works on each token apart
+    along = _TOKEN_WISE_ALONG.get(name)
+    if along is not None:
+        axis = _arg(rec, along, "dim", -1)
+        return axis is not None and axis % x.dim() >= 2
     return False
+
+
+#: Ops that treat each token apart when their ``dim`` (argument position here) is not
+#: the batch or the sequence.
+_TOKEN_WISE_ALONG = {
+    "softmax": 1,
+    "log_softmax": 1,
+    "topk": 2,
+    "scatter": 1,
+    "gather": 1,
+    "argmax": 1,
+    "sort": 1,
+    "cumsum": 1,
+}
 
 
 def _block_of(module: str, model: nn.Module) -> str:

@@ -53,6 +53,13 @@ class Region:
     input_shape: tuple[int, ...] = ()
     output_shape: tuple[int, ...] = ()
     dtype: str = "float32"
+    #: Whether ``module`` holds only this region's linears (a module of its own, as an
+    #: attention or MLP module is; not a block that holds other layers too).
+    owned: bool = True
+
+    def linears(self) -> tuple[str, ...]:
+        """Every linear of the region, columns first."""
+        return (*(c.linear for c in self.columns), *(r.linear for r in self.rows))
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
+from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.layers import TensorPlan
+from lamina.strategies.tp.state import GlobalViews
 from lamina.verify import PreflightReport
 
 
@@ -21,6 +25,10 @@ class TensorParallelism:
     execution_plan: ExecutionPlan
     run_log: RunLog
     preflight: PreflightReport | None
+    views: GlobalViews
+    #: Set while lamina itself runs the model on the meta device (a sharded strategy's
+    #: first-forward bookkeeping does not run it).
+    allow_meta: bool = False
 
 
 class TensorParallelModule(nn.Module):
@@ -46,3 +54,38 @@ class TensorParallelModule(nn.Module):
     def step_summary(self) -> str:
         """The plan's layers, one per line."""
         return "\n".join(self.lamina_tp.plan.lines())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; a one-line error while parameters are on the meta device."""
+        if any(p.is_meta for p in self.parameters()) and not self.lamina_tp.allow_meta:
+            raise ConfigError(
+                "this tensor-parallel model's parameters are on the meta device; call "
+                "model.to_empty(device=...) and initialize or load the weights before the "
+                "first forward"
+            )
+        return super().forward(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``state_dict``, each split parameter a ``DTensor`` of the whole tensor
+        (:mod:`.state`; ``keep_vars=True``: the parameters themselves)."""
+        state = super().state_dict(*args, **kwargs)
+        if kwargs.get("keep_vars") or (len(args) > 2 and args[2]):
+            return state
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        views = self.lamina_tp.views
+        for key in list(state):
+            state[key] = views.to_global(key[len(prefix) :], state[key])
+        return state
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict``, from whole-tensor DTensors (a checkpoint of
+        any layout) or whole plain tensors: each rank keeps its piece."""
+        targets = super().state_dict(keep_vars=True)
+        views = self.lamina_tp.views
+        state = {
+            key: views.to_local(key, value, targets[key]) if key in targets else value
+            for key, value in state_dict.items()
+        }
+        return super().load_state_dict(state, strict=strict, assign=assign)

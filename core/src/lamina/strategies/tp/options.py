@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lamina.errors import ConfigError
 from lamina.strategies.contract import StrategyOptions
@@ -16,12 +19,16 @@ class TensorParallelOptions(StrategyOptions):
     The plan is derived from one forward on ``example_inputs`` / ``example_kwargs`` (a
     batch as the training loop feeds it), run once on every rank before any collective.
     ``sequence_parallel`` (default on) splits the activations between regions on the
-    sequence (dim 1), so norms and dropout run on ``1/tp`` of the tokens.
+    sequence (dim 1), so norms and dropout run on ``1/tp`` of the tokens. ``plan`` gives
+    the split instead, as torch's ``ParallelStyle`` objects by module name (a torchtitan
+    plan unchanged; :mod:`lamina.strategies.tp.given`): its ``SequenceParallel``
+    entries then decide sequence parallelism.
     """
 
     example_inputs: tuple[Any, ...] | None = None
     example_kwargs: dict[str, Any] | None = None
     sequence_parallel: bool = True
+    plan: Mapping[str, ParallelStyle] | None = None
 
     def __post_init__(self) -> None:
         if self.example_inputs is None and self.example_kwargs is None:
@@ -33,6 +40,11 @@ class TensorParallelOptions(StrategyOptions):
             raise ConfigError(
                 f"example_inputs must be a tuple, got {type(self.example_inputs).__name__}; "
                 "pass a single input as (x,)"
+            )
+        if self.plan is not None and not isinstance(self.plan, Mapping):
+            raise ConfigError(
+                f"plan must map module names to torch ParallelStyle objects, got "
+                f"{type(self.plan).__name__}"
             )
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(

@@ -19,6 +19,7 @@ from lamina.dtypes import dtype_from_name
 from lamina.runtime import Collective, CollectiveSpec, Compute, ExecutionPlan, PlanNode
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import meta_items
+from lamina.runtime.render import LAYER_PLAN
 from lamina.strategies.coalesced import dtype_totals
 from lamina.strategies.tp.layers import TensorPlan
 
@@ -176,5 +177,8 @@ def build_tensor_plan(
         backend=backend,
         nodes=tuple(nodes),
         edges=tuple(edges),
-        meta=meta_items(tp=plan.size, sequence_parallel=plan.sequence_parallel, source=plan.source),
+        meta=(
+            *meta_items(tp=plan.size, sequence_parallel=plan.sequence_parallel),
+            (LAYER_PLAN, "\n".join(plan.lines())),
+        ),
     )

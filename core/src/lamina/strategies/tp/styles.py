@@ -29,17 +29,20 @@ def torch_styles(plan: TensorPlan) -> dict[str, ParallelStyle]:
     for emb in plan.embeddings:
         styles[emb.module] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     for region in plan.regions:
-        if sp and isinstance(region.entry, str):
+        gathered = sp and not region.owned  # no module of its own: each column gathers
+        if sp and region.owned and isinstance(region.entry, str):
             styles[region.module] = PrepareModuleInput(
                 input_kwarg_layouts={region.entry: between},
                 desired_input_kwarg_layouts={region.entry: Replicate()},
             )
-        elif sp:
+        elif sp and region.owned:
             styles[region.module] = PrepareModuleInput(
                 input_layouts=(between,), desired_input_layouts=(Replicate(),)
             )
         for column in region.columns:
-            styles[column.linear] = ColwiseParallel()
+            styles[column.linear] = (
+                ColwiseParallel(input_layouts=between) if gathered else ColwiseParallel()
+            )
         for row in region.rows:
             out = between if row.reduce == "scatter" else Replicate()
             styles[row.linear] = RowwiseParallel(output_layouts=out)
