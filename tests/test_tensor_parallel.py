@@ -453,3 +453,54 @@ def test_a_model_built_on_meta_materializes_only_its_shards_and_trains_as_one_bu
         assert a["diff"] <= 1e-6, a
         # 1/N of the model, plus the replicated norms (tp alone) and alignment (zero3)
         assert a["local_numel"] <= total / world + norms + 64, (a["local_numel"], total)
+
+
+def _resume_job(directory: str, mesh: dict[str, int], save: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from _gpt_model import lm_loss
+    from lamina.checkpoint import CheckpointManager
+
+    lamina.init(mesh=mesh)
+    torch.manual_seed(0)
+    model = lamina.distribute(tiny_llama(0), ["tp", "zero3"], example_inputs=(_ids(1),))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = CheckpointManager(directory)
+    start = 0 if save else manager.load_latest(model, opt)
+    losses = []
+    for step in range(start or 0, 4):
+        if save and step == 2:
+            manager.save(step, model, opt)
+            manager.wait()
+        loss = lm_loss(_logits(model, _ids(40 + step)), _ids(50 + step))  # one batch for all
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    options = StateDictOptions(full_state_dict=True)
+    whole = get_model_state_dict(model, options=options)  # the whole tensors, any layout
+    manager.close()
+    lamina.shutdown()
+    return {"losses": losses[-2:], "whole": whole, "start": start}
+
+
+@pytest.mark.timeout(600)
+def test_a_checkpoint_manager_resume_on_another_tp_layout_continues_the_same_training(
+    tmp_path: Any,
+) -> None:
+    from lamina.checkpoint.inspect import list_steps
+
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    directory = str(tmp_path / "run")
+    saved = run_ranks(
+        _resume_job, 4, args=(directory, {"fsdp": 2, "tp": 2}, True), env=env, timeout=300
+    )[0]
+    (info,) = list_steps(tmp_path / "run")
+    assert (info.strategy, info.layout) == ("tp+zero3", "fsdp=2 x tp=2")
+    resumed = run_ranks(
+        _resume_job, 4, args=(directory, {"fsdp": 4, "tp": 1}, False), env=env, timeout=300
+    )[0]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == pytest.approx(saved["losses"], rel=1e-6)
+    diff = max((resumed["whole"][n] - p).abs().max().item() for n, p in saved["whole"].items())
+    assert diff <= 1e-5  # Adam's moments resumed too: the same training on another layout

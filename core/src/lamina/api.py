@@ -94,6 +94,11 @@ def compile_step(
     settings = StepOptions(
         backend, max_shapes, on_graph_break, eager_random, device_graphs, overlap
     )
+    if "lamina_tp" in getattr(model, "__dict__", {}):
+        raise ConfigError(
+            "compile_step does not take a tensor-parallel model yet; run its step eagerly "
+            "(loss.backward(); optimizer.step()), or distribute it without 'tp'"
+        )
     runtime = current()
     job = StepJob(runtime.control_group, runtime.handle) if runtime is not None else StepJob()
     state = getattr(model, "__dict__", {}).get("lamina_dp")

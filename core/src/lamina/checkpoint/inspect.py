@@ -13,10 +13,11 @@ the thing and the fix. DCP's ``.metadata`` is a pickle: it is only read once
 
 from __future__ import annotations
 
+import ast
 import datetime
 import importlib.util
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,22 @@ class StepInfo:
     strategy: str | None
     total_bytes: int
     written: datetime.datetime
+    #: The mesh it was saved on, ``fsdp=2 x tp=2`` (empty: not recorded).
+    layout: str = ""
+
+
+def mesh_layout(mesh_lines: Sequence[str]) -> str:
+    """``fsdp=2 x tp=2`` from a manifest's mesh lines (``axes=[...]``, ``shape=[...]``);
+    empty when they do not say."""
+    facts = dict(line.split("=", 1) for line in mesh_lines if "=" in line)
+    try:
+        axes = ast.literal_eval(facts.get("axes", "[]"))
+        shape = ast.literal_eval(facts.get("shape", "[]"))
+    except (ValueError, SyntaxError):
+        return ""
+    if len(axes) != len(shape):
+        return ""
+    return " x ".join(f"{a}={n}" for a, n in zip(axes, shape, strict=True))
 
 
 def _require_root(root: Path) -> None:
@@ -114,6 +131,7 @@ def describe(directory: Path) -> StepInfo:
         manifest.strategy,
         size,
         _created(manifest, directory),
+        mesh_layout(manifest.mesh),
     )
 
 

@@ -92,6 +92,18 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """``get_state_dict``'s model and optimizer state; a model whose parameters are split
+    (tensor parallelism) gives its optimizer state as whole-tensor DTensors too, as its
+    parameters are (``optimizer_state_to_global``), so a resume on another layout cuts
+    every piece right."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    to_global = getattr(model, "optimizer_state_to_global", None)
+    if to_global is not None:
+        optim_state = to_global(optim_state)
+    return model_state, optim_state
+
+
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier(group=group)
@@ -224,7 +236,7 @@ class CheckpointManager:
                 f"{rank} cannot see {work.name}): give every rank the same path on a file "
                 "system they all share"
             )
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _state_dicts(model, optimizer)
         payload = {
             "rng": rng.capture(*_device()),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -357,7 +369,7 @@ class CheckpointManager:
             return None
         directory = step_dir(self.root, steps[-1])
         manifest = read_manifest(directory)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = _state_dicts(model, optimizer)
         specs = tensor_specs(model_state)
         prefix = legacy.wrapper_prefix(manifest.tensors, specs)
         own_names = dataclasses.replace(manifest, tensors=legacy.strip(manifest.tensors, prefix))
@@ -378,8 +390,10 @@ class CheckpointManager:
         saved = legacy.as_saved({"model": model_state, "optim": optim_state}, prefix)
         dcp_load(saved, checkpoint_id=str(directory))
         loaded = legacy.as_model(saved, prefix)
+        to_local = getattr(model, "optimizer_state_to_local", None)
+        optim_loaded = to_local(loaded["optim"]) if to_local is not None else loaded["optim"]
         set_state_dict(
-            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=optim_loaded
         )
         same_world = manifest.world_size == world
         own = directory / f"rank-{rank if rank < manifest.world_size else 0}.pt"

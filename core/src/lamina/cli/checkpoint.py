@@ -28,12 +28,16 @@ def ls_command(args: argparse.Namespace) -> int:
     if not steps:
         print(f"{root}: no step directories")
         return 0
-    print(f"{'step':>8}  {'state':30}  {'ranks':>5}  {'strategy':10}  {'size':>10}  age")
+    print(
+        f"{'step':>8}  {'state':30}  {'ranks':>5}  {'strategy':10}  {'layout':18}  "
+        f"{'size':>10}  age"
+    )
     for info in steps:
         ranks = str(info.world_size) if info.world_size is not None else "-"
         print(
             f"{info.step:>8}  {info.state:30}  {ranks:>5}  {info.strategy or '-':10}  "
-            f"{format_bytes(info.total_bytes):>10}  {format_age(info.written)}"
+            f"{info.layout or '-':18}  {format_bytes(info.total_bytes):>10}  "
+            f"{format_age(info.written)}"
         )
     return 0
 

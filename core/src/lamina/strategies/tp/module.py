@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from lamina.errors import ConfigError
@@ -77,6 +78,24 @@ class TensorParallelModule(nn.Module):
             state[key] = views.to_global(key[len(prefix) :], state[key])
         return state
 
+    def optimizer_state_to_global(self, optim_state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state dict by parameter name (``get_state_dict``'s) with each
+        split parameter's state tensors as whole-tensor DTensors, as its parameter is in
+        ``state_dict()``: what a checkpoint saves (collective, as saving is)."""
+        return _map_optimizer(optim_state, self.lamina_tp.views.to_global)
+
+    def optimizer_state_to_local(self, optim_state: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`optimizer_state_to_global` undone: each state tensor in its parameter's
+        own form (this rank's piece), for ``set_state_dict``."""
+        targets = super().state_dict(keep_vars=True)
+        views = self.lamina_tp.views
+
+        def local(name: str, value: Any) -> Any:
+            target = targets.get(name)
+            return value if target is None else views.to_local(name, value, target)
+
+        return _map_optimizer(optim_state, local)
+
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
@@ -89,3 +108,15 @@ class TensorParallelModule(nn.Module):
             for key, value in state_dict.items()
         }
         return super().load_state_dict(state, strict=strict, assign=assign)
+
+
+def _map_optimizer(optim_state: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """``optim_state`` with ``fn(name, tensor)`` applied to every per-parameter state
+    tensor shaped like its parameter (scalars such as Adam's ``step`` stay)."""
+    mapped: dict[str, Any] = {}
+    for name, entry in optim_state.get("state", {}).items():
+        mapped[name] = {
+            key: fn(name, value) if isinstance(value, torch.Tensor) and value.dim() else value
+            for key, value in entry.items()
+        }
+    return {**optim_state, "state": mapped}
