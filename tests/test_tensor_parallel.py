@@ -504,3 +504,46 @@ def test_a_checkpoint_manager_resume_on_another_tp_layout_continues_the_same_tra
     assert resumed["losses"] == pytest.approx(saved["losses"], rel=1e-6)
     diff = max((resumed["whole"][n] - p).abs().max().item() for n, p in saved["whole"].items())
     assert diff <= 1e-5  # Adam's moments resumed too: the same training on another layout
+
+
+def _loss_parallel_job(name: str) -> dict[str, float]:
+    import torch.nn.functional as F
+
+    lamina.init(mesh={"tp": 2})
+    torch.manual_seed(0)
+    model = lamina.distribute(_build(name), "tp", example_inputs=(_ids(1),))
+    x, y = _ids(2), _ids(3)
+    y[0, :4] = -100  # ignored positions
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    whole = loss_of(_logits(model, x))
+    whole.backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    with lamina.loss_parallel(model):
+        logits = _logits(model, x)
+        split_width = logits.shape[-1]
+        split = loss_of(logits)
+    split.backward()
+    grad_diff = max(
+        (g - p.grad).abs().max().item()  # type: ignore[operator]
+        for g, p in zip(grads, model.parameters(), strict=True)
+    )
+    lamina.shutdown()
+    return {
+        "loss_diff": abs(whole.item() - split.item()) / whole.item(),
+        "grad_diff": grad_diff,
+        "split_width": split_width,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_loss_parallel_cross_entropy_on_split_logits_equals_the_whole_one() -> None:
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    for name in ("gpt", "llama"):
+        for got in run_ranks(_loss_parallel_job, 2, args=(name,), env=env, timeout=200):
+            assert got["split_width"] == VOCAB // 2  # never gathered
+            assert got["loss_diff"] <= 1e-6, (name, got)
+            assert got["grad_diff"] <= 1e-6, (name, got)

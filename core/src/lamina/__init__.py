@@ -5,7 +5,7 @@ the device contracts live in :mod:`lamina.device`; plugins implement
 :mod:`lamina.hookspecs`.
 """
 
-from lamina.api import compile_step, distribute
+from lamina.api import compile_step, distribute, loss_parallel
 from lamina.device.backend import Availability, Backend
 from lamina.device.handle import DeviceHandle, Event, MemoryStats, Stream
 from lamina.device.kernels import Dim3, KernelLauncher
@@ -38,5 +38,6 @@ __all__ = [
     "distribute",
     "hookimpl",
     "init",
+    "loss_parallel",
     "shutdown",
 ]

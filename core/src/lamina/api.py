@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -111,3 +112,12 @@ def compile_step(
         f"compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "
         f"{strategy}); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
     )
+
+
+def loss_parallel(model: nn.Module) -> AbstractContextManager[None]:
+    """``with lamina.loss_parallel(model):`` the model's vocabulary-parallel head keeps its
+    logits split and ``F.cross_entropy`` on them runs across the tp group, never
+    gathering the whole vocabulary (:mod:`lamina.strategies.tp.loss_parallel`)."""
+    from lamina.strategies.tp.loss_parallel import loss_parallel as on_slices
+
+    return on_slices(model)

@@ -107,7 +107,9 @@ class TensorParallelStrategy(Strategy):
         splits = {n: ParamSplit(*split) for n, split in applied.splits.items()}
         views = GlobalViews(splits, tp)
         views.attach(root, axis, None)
-        state = TensorParallelism(layers, tp, planned.plan, planned.log(), planned.preflight, views)
+        state = TensorParallelism(
+            layers, tp, planned.plan, planned.log(), planned.preflight, views, applied.heads
+        )
         return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
 
 

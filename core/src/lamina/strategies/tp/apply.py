@@ -27,6 +27,7 @@ from lamina.strategies.tp.activation_ops import (
     sum_scatter,
 )
 from lamina.strategies.tp.layers import Region, Row, TensorPlan
+from lamina.strategies.tp.loss_parallel import HeadOutputs
 
 Hook = Callable[..., Any]
 #: Parameter (id or name) -> (split dim, chunks, whole shape).
@@ -40,6 +41,7 @@ class Applied:
 
     handles: list[Any]
     splits: Splits
+    heads: HeadOutputs
 
 
 @dataclass
@@ -83,6 +85,7 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
     handles: list[Any] = []
     done: Splits = {}
     entered = _Entered()
+    heads = HeadOutputs()
     for region in plan.regions:
         handles += _apply_region(model, region, plan, tp, done, entered)
     for emb in plan.embeddings:
@@ -97,7 +100,7 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
         handles.append(
             module.register_forward_pre_hook(entered.hook(plan, tp, plan.sequence_parallel))
         )
-        handles.append(module.register_forward_hook(lambda _m, _a, out: gather(out, -1, tp)))
+        handles.append(module.register_forward_hook(lambda _m, _a, out: heads.finish(out, tp)))
     if plan.sequence_parallel:
         handles += _apply_sequence(model, plan, tp)
 
@@ -110,7 +113,7 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
         for name, p in model.named_parameters(remove_duplicate=False)
         if id(p) in done
     }
-    return Applied(handles, names)
+    return Applied(handles, names, heads)
 
 
 def _apply_region(

@@ -13,6 +13,7 @@ from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.layers import TensorPlan
+from lamina.strategies.tp.loss_parallel import HeadOutputs
 from lamina.strategies.tp.state import GlobalViews
 from lamina.verify import PreflightReport
 
@@ -27,6 +28,7 @@ class TensorParallelism:
     run_log: RunLog
     preflight: PreflightReport | None
     views: GlobalViews
+    heads: HeadOutputs
     #: Set while lamina itself runs the model on the meta device (a sharded strategy's
     #: first-forward bookkeeping does not run it).
     allow_meta: bool = False
