@@ -318,7 +318,8 @@ def test_init_names_a_mesh_it_does_not_understand() -> None:
     with pytest.raises(ConfigError) as excinfo:
         lamina.init(mesh="ring")  # type: ignore[arg-type]
     assert _message(excinfo) == (
-        "mesh='ring' is not understood; use 'flat', 'topology' or (shape, axis_names)"
+        "mesh='ring' is not understood; use 'flat', 'topology', (shape, axis_names) or a "
+        "dict such as {'dp': 2, 'tp': 2}"
     )
     assert not dist.is_initialized() and lamina.current() is None
 
