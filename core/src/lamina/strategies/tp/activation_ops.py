@@ -71,7 +71,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _slice(grad, ctx.dim, ctx.tp), None, None
+        # a view of this rank's slice: no copy of it (autograd takes strided gradients)
+        return grad.chunk(ctx.tp.size, dim=ctx.dim)[ctx.tp.index], None, None
 
 
 class _Slice(torch.autograd.Function):
