@@ -11,7 +11,9 @@ before the first collective:
   the plan's per-step communication time and per-rank memory predicted on the declared
   cluster (:mod:`lamina.simulate`): a readable report, or ``--json``. Bucket and unit
   boundaries are the capture's (they do not depend on the world size); only their byte
-  totals are costed on the simulated world size.
+  totals are costed on the simulated world size. ``--mesh fsdp=512,tp=8`` (or the
+  cluster file's ``"mesh"``) sizes the simulated mesh axes the plan's collectives run on
+  (tensor parallelism's ``tp`` inside hosts, ``fsdp`` over the rest).
 - ``lamina verify``: the ranks run the pre-flight cross-rank verification and exit; it
   prints OK or the difference.
 """
@@ -32,6 +34,7 @@ from lamina.errors import ConfigError
 from lamina.plugins import BACKEND_ENV
 from lamina.runtime import ExecutionPlan, explain
 from lamina.simulate import load_cluster, predict
+from lamina.simulate.cluster import parse_mesh_option, with_mesh
 from lamina.verify.preflight import TIMEOUT_ENV
 
 
@@ -91,8 +94,12 @@ def plan_command(args: argparse.Namespace) -> int:
     """``lamina plan``: build the plan without training and print it (or, with
     ``--simulate``, predict it on a declared cluster)."""
     cluster = None
+    if args.mesh is not None and args.simulate is None:
+        raise ConfigError("--mesh sizes the simulated mesh; add --simulate CLUSTER.json")
     if args.simulate is not None:  # a bad cluster file fails before the script starts
         cluster = load_cluster(args.simulate)
+        if args.mesh is not None:  # overrides the file's "mesh"
+            cluster = with_mesh(cluster, parse_mesh_option(args.mesh), "--mesh", "mesh")
         args.nproc_per_node = max(SIMULATE_RANKS, args.nproc_per_node)
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
         runner = ["--stop", "plan", "--out", tmp]
@@ -163,6 +170,13 @@ def add_plan_parsers(subparsers: Any) -> None:
         metavar="CLUSTER.json",
         help="predict the step's communication time and per-rank memory on the declared "
         "cluster (up to 4096 devices; format in docs/simulate.md)",
+    )
+    plan.add_argument(
+        "--mesh",
+        default=None,
+        metavar="AXIS=N,...",
+        help="with --simulate: the simulated mesh, outermost axis first (e.g. fsdp=512,tp=8); "
+        'overrides the cluster file\'s "mesh"',
     )
     _add_common(plan)
     plan.set_defaults(func=plan_command)

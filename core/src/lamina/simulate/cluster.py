@@ -25,6 +25,12 @@ by its devices (no pairwise link list: 4096 devices would need 8 million links):
   :mod:`lamina.comm.cost`).
 - ``intra`` may be left out when ``devices_per_host`` is 1, ``inter`` when ``hosts``
   is 1; ``name`` and ``device_memory_gib`` are optional.
+- ``mesh`` (optional): the simulated job's mesh, axis name -> size, outermost first as
+  ``lamina.init(mesh=...)`` takes it (the last axis innermost: consecutive ranks), e.g.
+  ``{"fsdp": 512, "tp": 8}``; the sizes multiply to the device count, and each axis with
+  the axes inside it spans a divisor or a multiple of ``devices_per_host`` ranks. A plan's
+  collectives on those axes (``tp``, ``fsdp``, ``dp+fsdp``, ...) run on the mesh's groups
+  (:meth:`Cluster.mesh_group`), whatever group sizes the capture had.
 
 Every problem raises :class:`~lamina.errors.ConfigError` with one line naming the file,
 the field and the fix.
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -48,7 +54,19 @@ MAX_DEVICES = 4096
 #: Gb/s per GB/s.
 BITS_PER_BYTE = 8
 
-_TOP_KEYS = ("name", "hosts", "devices_per_host", "device_memory_gib", "intra", "inter")
+_TOP_KEYS = (
+    "name",
+    "hosts",
+    "devices_per_host",
+    "device_memory_gib",
+    "intra",
+    "inter",
+    "mesh",
+)
+#: Most axes a simulated mesh may have (as :data:`lamina.device.mesh.MAX_MESH_AXES`).
+MAX_MESH_AXES = 4
+#: Axis names a plan gives groups that are not mesh axes: the whole job.
+WORLD_AXIS = "world"
 _LINK_KEYS = ("kind", "bandwidth_gbps", "bandwidth_gbit", "latency_us")
 _INTER_KEYS = (*_LINK_KEYS, "nics_per_host")
 _EXAMPLE = (
@@ -129,6 +147,8 @@ class Cluster:
     device_memory_gib: float | None = None
     name: str = ""
     source: str = "cluster"
+    #: The simulated mesh: (axis, size) outermost first; empty when not declared.
+    mesh: tuple[tuple[str, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -175,8 +195,43 @@ class Cluster:
         inter = self.inter.cost(self.devices_per_host, self.nics_per_host)
         return ClusterCostModel(self.layout(per_host=1), self.intra.cost(), inter, "declared")
 
+    def mesh_group(self, axes: tuple[str, ...]) -> tuple[int, int]:
+        """(hosts, ranks per host) of a group over mesh ``axes`` (rank 0's; every group of
+        those axes has the same shape, as the mesh was checked against the hosts)."""
+        sizes = dict(self.mesh)
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+            _fail(
+                self.source,
+                "mesh",
+                f"has no axis {unknown[0]!r} (axes {list(sizes)}); add it to the mesh",
+            )
+        ranks, stride = [0], 1
+        for name, size in reversed(self.mesh):
+            if name in axes:
+                ranks = [r + k * stride for k in range(size) for r in ranks]
+            stride *= size
+        per_host: dict[int, int] = {}
+        for rank in ranks:
+            host = rank // self.devices_per_host
+            per_host[host] = per_host.get(host, 0) + 1
+        return len(per_host), max(per_host.values())
+
+    def group_model(self, hosts: int, per_host: int) -> ClusterCostModel:
+        """The cost model of a group of ``per_host`` ranks on each of ``hosts`` hosts, one
+        of the ``devices_per_host / per_host`` such groups of each host that run at once
+        (their flows share the host's uplink)."""
+        flows = max(1, self.devices_per_host // per_host) if hosts > 1 else 1
+        inter = self.inter.cost(flows, self.nics_per_host)
+        layout = self.layout(hosts, per_host)
+        return ClusterCostModel(layout, self.intra.cost(), inter, "declared")
+
+    def describe_mesh(self) -> str:
+        """``fsdp=512 x tp=8`` (empty: no mesh declared)."""
+        return " x ".join(f"{name}={size}" for name, size in self.mesh)
+
     def describe(self) -> str:
-        """One line: size, links, device memory."""
+        """One line: size, links, device memory, mesh."""
         name = f"{self.name}: " if self.name else ""
         nic = self.inter
         inter = (
@@ -186,9 +241,10 @@ class Cluster:
         )
         memory = self.device_memory_bytes
         mem = f"; {format_bytes(memory)} per device" if memory is not None else ""
+        mesh = f"; mesh {self.describe_mesh()}" if self.mesh else ""
         return (
             f"{name}{self.hosts} host(s) x {self.devices_per_host} device(s) = "
-            f"{self.world_size} devices; intra {self.intra.describe()}; {inter}{mem}"
+            f"{self.world_size} devices; intra {self.intra.describe()}; {inter}{mem}{mesh}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -209,6 +265,7 @@ class Cluster:
                 "latency_us": self.inter.latency_us,
                 "nics_per_host": self.nics_per_host,
             },
+            "mesh": dict(self.mesh),
             "world_size": self.world_size,
             "uplink_gbps": self.uplink_gbps,
         }
@@ -264,7 +321,95 @@ def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
         intra = inter or ClusterLink("intra-host", 1.0, 0.0)
     if inter is None:  # one host: no inter link is ever used
         inter = ClusterLink("network", intra.bandwidth_gbps, intra.latency_us)
-    return Cluster(hosts, local, intra, inter, nics, memory, name, source)
+    cluster = Cluster(hosts, local, intra, inter, nics, memory, name, source)
+    if "mesh" in data:
+        cluster = with_mesh(cluster, data["mesh"], source, "mesh")
+    return cluster
+
+
+def with_mesh(cluster: Cluster, mesh: Any, source: str, field: str = "mesh") -> Cluster:
+    """``cluster`` with the simulated ``mesh`` (axis -> size, outermost first), checked
+    against its hosts; ``source`` and ``field`` name it in the errors."""
+    example = _mesh_example(cluster)
+    if not isinstance(mesh, dict) or not mesh:
+        got = "no axes" if isinstance(mesh, dict) else _show(mesh)
+        _fail(
+            source,
+            field,
+            f"must map axis names to sizes, outermost first, got {got}; write e.g. {example}",
+        )
+    if len(mesh) > MAX_MESH_AXES:
+        _fail(
+            source,
+            field,
+            f"has {len(mesh)} axes {list(mesh)}, at most {MAX_MESH_AXES}; merge some axes",
+        )
+    axes: list[tuple[str, int]] = []
+    for name in mesh:
+        where = f"{field}.{name}"
+        if not name or "+" in name or name == WORLD_AXIS:
+            _fail(
+                source,
+                where,
+                f"is not an axis name; name an axis as the plan does (e.g. tp, fsdp, dp), "
+                f"not {WORLD_AXIS!r}, empty or joined with '+'",
+            )
+        size = mesh[name]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            _fail(
+                source,
+                where,
+                f"must be a positive integer, got {_show(size)}; give the axis's ranks, e.g. 8",
+            )
+        axes.append((name, size))
+    total = math.prod(s for _, s in axes)
+    if total != cluster.world_size:
+        shown = " x ".join(f"{n} {s}" for n, s in axes)
+        _fail(
+            source,
+            field,
+            f"= {shown} = {total} ranks, but the cluster has {cluster.hosts} x "
+            f"{cluster.devices_per_host} = {cluster.world_size} devices; make the sizes "
+            f"multiply to {cluster.world_size}, e.g. {example}",
+        )
+    local, inner = cluster.devices_per_host, 1
+    for name, size in reversed(axes):
+        inner *= size
+        if local % inner and inner % local:
+            _fail(
+                source,
+                f"{field}.{name}",
+                f"and the axes inside it span {inner} consecutive ranks, which splits hosts "
+                f"of {local} devices unevenly; choose sizes whose inner products divide or "
+                f"are multiples of devices_per_host ({local})",
+            )
+    return replace(cluster, mesh=tuple(axes))
+
+
+def parse_mesh_option(text: str) -> dict[str, int]:
+    """``{"fsdp": 512, "tp": 8}`` from ``--mesh fsdp=512,tp=8`` (outermost first)."""
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.strip().partition("=")
+        if not eq or not name.strip() or not size.strip().isdigit():
+            raise ConfigError(
+                f"--mesh {text!r}: {part.strip()!r} is not AXIS=SIZE; write the axes "
+                "outermost first, e.g. --mesh fsdp=512,tp=8"
+            )
+        if name.strip() in mesh:
+            raise ConfigError(
+                f"--mesh {text!r}: axis {name.strip()!r} is given twice; name each axis once"
+            )
+        mesh[name.strip()] = int(size)
+    return mesh
+
+
+def _mesh_example(cluster: Cluster) -> str:
+    local, world = cluster.devices_per_host, cluster.world_size
+    if world == local:
+        return f'"mesh": {{"tp": {local}}} (--mesh tp={local})'
+    outer = world // local
+    return f'"mesh": {{"fsdp": {outer}, "tp": {local}}} (--mesh fsdp={outer},tp={local})'
 
 
 def _link(

@@ -1,9 +1,17 @@
 """The simulated groups of a cluster, one per mesh axis, and the phase times they cost.
 
-The group of a collective is its mesh axis on the simulated cluster: ``intra`` is one
-host's ``L`` ranks; ``inter`` is one rank per host (the ``L`` such groups run at once, so
-each flow gets ``1/L`` of the uplink); any other axis (``world``, ``dp``, ``inter+intra``)
-is the whole cluster.
+The group of a collective is its mesh axis on the simulated cluster:
+
+- axes of the cluster's declared ``mesh`` (``tp``, ``fsdp``, ``dp+fsdp``: ``+`` joins
+  axes) are the mesh's groups over them, ranks placed host by host with the last mesh
+  axis innermost: ``tp=8`` on 8-device hosts is one host's ranks (the intra link), a
+  ``tp=16`` group spans two hosts (its rings cross the inter link), ``fsdp=512`` outside
+  it one rank per host, the 8 such groups of a host sharing its uplink; the size is the
+  mesh's, never the capture's;
+- otherwise ``intra`` is one host's ``L`` ranks; ``inter`` is one rank per host (the
+  ``L`` such groups run at once, so each flow gets ``1/L`` of the uplink); ``world`` is
+  the whole cluster, and so is any other axis (``dp``) when the plan names only one axis
+  and the cluster no mesh (:func:`check_axes` asks for a mesh otherwise).
 
 A :class:`Group` costs the phases of a collective on its cluster cost model (the
 formulas are in :mod:`lamina.simulate.timing`), caching each all-reduce size's pick.
@@ -14,8 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lamina.comm.cost import ALGORITHMS, unavailable_algorithms
-from lamina.simulate.cluster import Cluster, ClusterCostModel
+from lamina.errors import ConfigError
+from lamina.runtime.plan import ExecutionPlan
+from lamina.simulate.cluster import WORLD_AXIS, Cluster, ClusterCostModel
 
+#: The mesh axis tensor parallelism runs on.
+TP_AXIS = "tp"
+#: Axes a topology mesh names, placed without a declared mesh (one host, one rank per
+#: host, all).
+LEGACY_AXES: tuple[str, ...] = ("intra", "inter", "inter+intra")
 #: Link classes, in report order.
 LINKS: tuple[str, ...] = ("intra", "inter")
 
@@ -32,10 +47,13 @@ class PhaseTime:
 class Group:
     """A simulated group (one mesh axis) with its cost model and cached ring figures."""
 
-    def __init__(self, label: str, model: ClusterCostModel, whole_job: bool) -> None:
+    def __init__(
+        self, label: str, model: ClusterCostModel, whole_job: bool, mesh_axes: bool = False
+    ) -> None:
         self.label = label
         self.model = model
         self.size = model.layout.size
+        self.mesh_axes = mesh_axes
         unavailable = unavailable_algorithms(model.layout, "nccl", whole_job)
         self.allowed = tuple(a for a in ALGORITHMS if a not in unavailable)
         self._chosen: dict[int, tuple[str, int, tuple[PhaseTime, ...]]] = {}
@@ -101,11 +119,27 @@ class Group:
             out.append(PhaseTime("exchange", "inter", remote * self.model.inter.time(chunk, local)))
         return tuple(out)
 
+    @property
+    def crosses_hosts(self) -> bool:
+        """Whether the group spans two or more hosts (its rings use the inter link)."""
+        return self.model.layout.host_count > 1
+
     def describe(self) -> str:
+        """``tp (mesh axis): 8 rank(s) on 1 host(s) x 8, inside one host (intra link); ...``."""
         layout = self.model.layout
+        where = ""
+        if self.mesh_axes and self.size > 1 and not self.crosses_hosts:
+            where = ", inside one host (intra link)"
+        elif self.mesh_axes and self.size > 1:
+            # tensor parallelism is meant to stay inside a host: say so loudly
+            loud = TP_AXIS in self.label.split(" ")[0].split("+")
+            where = (
+                f", {'CROSSES HOSTS:' if loud else 'across'} {layout.host_count:,} hosts "
+                "(inter-host link)"
+            )
         return (
             f"{self.label}: {self.size:,} rank(s) on {layout.host_count} host(s) x "
-            f"{layout.per_host}; all-reduce algorithms {list(self.allowed)}"
+            f"{layout.per_host}{where}; all-reduce algorithms {list(self.allowed)}"
         )
 
 
@@ -117,22 +151,94 @@ class Groups:
         self._by_kind: dict[str, Group] = {}
 
     def of(self, axis: str) -> Group:
-        parts = set(axis.split("+"))
-        kind = "intra" if parts == {"intra"} else "inter" if parts == {"inter"} else "world"
+        """The simulated group of a plan's ``axis`` (see the module docstring)."""
+        c = self.cluster
+        parts = axis.split("+")
+        mesh = [name for name, _ in c.mesh]
+        if mesh and all(p in mesh for p in parts):
+            kind = "+".join(name for name in mesh if name in parts)
+        elif set(parts) in ({"intra"}, {"inter"}):
+            kind = parts[0]
+        elif axis == WORLD_AXIS or set(parts) == {"inter", "intra"} or not mesh:
+            kind = "world"
+        else:
+            missing = next(p for p in parts if p not in mesh)
+            raise ConfigError(
+                f'{c.source}: "mesh" {c.describe_mesh()} has no axis {missing!r} (of the '
+                f"plan's axis {axis!r}); add it to the mesh (or pass --mesh)"
+            )
         if kind not in self._by_kind:
-            c = self.cluster
             if kind == "intra":
                 group = Group("intra (one host's ranks)", c.host_model(), c.hosts == 1)
             elif kind == "inter":
                 label = f"inter (one rank per host, {c.devices_per_host} such groups at once)"
                 group = Group(label, c.rail_model(), c.devices_per_host == 1)
-            else:
+            elif kind == "world":
                 group = Group(f"{axis} (the whole cluster)", c.cost_model(), True)
+            else:
+                hosts, per_host = c.mesh_group(tuple(kind.split("+")))
+                whole = hosts * per_host == c.world_size
+                model = c.group_model(hosts, per_host)
+                label = f"{kind} (mesh axis{'es' if '+' in kind else ''})"
+                group = Group(label, model, whole, mesh_axes=True)
             self._by_kind[kind] = group
         return self._by_kind[kind]
 
     def described(self) -> tuple[str, ...]:
+        """One line per group used, in first-use order."""
         return tuple(g.describe() for g in self._by_kind.values())
 
 
-__all__ = ["LINKS", "Group", "Groups", "PhaseTime"]
+def plan_axes(plan: ExecutionPlan) -> tuple[str, ...]:
+    """The axes the plan's collectives (and HSDP replicas) run on, in first-use order."""
+    axes = [n.collective.axis for n in plan.collectives() if n.collective is not None]
+    if plan.replicate_axis:
+        axes.append(plan.replicate_axis)
+    return tuple(dict.fromkeys(axes))
+
+
+def check_axes(plan: ExecutionPlan, cluster: Cluster) -> None:
+    """ConfigError, one line naming the cluster's ``mesh`` and the fix, when the plan's
+    axes cannot be placed on the cluster: an axis the declared mesh lacks, or no mesh to
+    size ``tp`` or two or more axes (``tp`` and ``fsdp``)."""
+    named = [
+        part
+        for axis in plan_axes(plan)
+        for part in axis.split("+")
+        if part != WORLD_AXIS and axis not in LEGACY_AXES
+    ]
+    named = list(dict.fromkeys(named))
+    mesh = dict(cluster.mesh)
+    if mesh:
+        missing = [a for a in named if a not in mesh]
+        if missing:
+            raise ConfigError(
+                f'{cluster.source}: "mesh" {cluster.describe_mesh()} has no axis '
+                f"{missing[0]!r}, which the {plan.strategy} plan's collectives use (axes "
+                f"{named}); name every one of them in the mesh (or pass --mesh)"
+            )
+        return
+    labels = [a for a in plan_axes(plan) if a not in (WORLD_AXIS, *LEGACY_AXES)]
+    if len(labels) > 1 or TP_AXIS in named:  # one label alone (dp, dp+fsdp): the whole job
+        example = ", ".join(f'"{a}": {s}' for a, s in _example_mesh(named, cluster).items())
+        raise ConfigError(
+            f'{cluster.source}: "mesh" is missing: the {plan.strategy} plan\'s collectives '
+            f"run on axes {named}, whose simulated sizes the cluster must declare, outermost "
+            f'first; add e.g. "mesh": {{{example}}} (or pass --mesh)'
+        )
+
+
+def _example_mesh(named: list[str], cluster: Cluster) -> dict[str, int]:
+    """A mesh for ``named`` on ``cluster``: the innermost axis (``tp`` if named) one host,
+    the first other axis the hosts, any others 1."""
+    local, hosts = cluster.devices_per_host, cluster.world_size // cluster.devices_per_host
+    inner = "tp" if "tp" in named else named[-1]
+    outer = [a for a in named if a != inner] or (["dp"] if hosts > 1 else [])
+    sizes = {a: 1 for a in outer}
+    if outer:
+        sizes[outer[0]] = hosts
+    sizes[inner] = local
+    return sizes
+
+
+__all__ = ["LINKS", "Group", "Groups", "PhaseTime", "check_axes", "plan_axes"]

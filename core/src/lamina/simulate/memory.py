@@ -9,7 +9,15 @@ bytes per parameter and gradient element, ``K = 8`` for AdamW's two fp32 moments
   ``(P + G + K) x S`` with ``S = sum over units of ceil(n_u / N)`` (about ``Psi / N``),
   plus the transient gathered units: those gathered for the whole forward (kept, with
   their full gradient, through backward) and the largest other unit with its full
-  gradient before its reduce-scatter. Prefetching a second unit would add one more.
+  gradient before its reduce-scatter. Prefetching a second unit would add one more;
+- split by tensor parallelism alone (a ``tp`` plan: no gradient collective, no gather):
+  ``(P + G + K) x ceil(Psi / T)`` with ``Psi`` the elements of the wrap-time broadcast
+  (the whole model) and ``T`` the simulated tp group, as if every parameter were split
+  (the replicated norms are not told apart).
+
+A composed plan (``tp+zero3``) is sharded as ZeRO-3 says, over the units the capture
+planned: those hold the capture's tp-local tensors, so its state is the capture's tp
+split divided over the simulated shard group.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.errors import ConfigError
-from lamina.runtime.nodes import Gather
+from lamina.runtime.nodes import Collective, Gather
 from lamina.runtime.plan import ExecutionPlan, PlanNode
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.groups import Groups
@@ -46,6 +54,8 @@ class MemoryEstimate:
     gathered_bytes: int = 0
     gathered_what: str = ""
     device_memory_bytes: int | None = None
+    #: The axis that splits the state when it is not ZeRO sharding ("tp"), else "".
+    split_axis: str = ""
 
     @property
     def parameters(self) -> int:
@@ -80,12 +90,18 @@ class MemoryEstimate:
             self.optimizer_bytes_per_element,
         )
         n = self.shard_group
-        count = (
-            f"Psi = {self.param_elements:,}"
-            if n == 1
-            else f"S = sum ceil(n_u / {n:,}) = {self.local_elements:,} (Psi / N = "
-            f"{self.param_elements / n:,.1f})"
-        )
+        if n == 1:
+            count = f"Psi = {self.param_elements:,}"
+        elif self.split_axis:
+            count = (
+                f"S = ceil(Psi / {n:,}) = {self.local_elements:,}, Psi = "
+                f"{self.param_elements:,} split over {self.split_axis}={n:,}"
+            )
+        else:
+            count = (
+                f"S = sum ceil(n_u / {n:,}) = {self.local_elements:,} (Psi / N = "
+                f"{self.param_elements / n:,.1f})"
+            )
         elems = "Psi" if n == 1 else "S"
         rows = [
             ("parameters", self.parameters, f"P x {elems} = {p:g} B x {self.local_elements:,}"),
@@ -97,7 +113,7 @@ class MemoryEstimate:
             ),
             ("model state", self.state, f"(P + G + K) x {elems}, {count}"),
         ]
-        if n > 1:
+        if n > 1 and not self.split_axis:
             rows.append(("gathered units", self.gathered_bytes, self.gathered_what))
             rows.append(("peak", self.peak, "model state + gathered units"))
         return rows
@@ -107,6 +123,7 @@ class MemoryEstimate:
         return {
             "strategy": self.strategy,
             "shard_group": self.shard_group,
+            "split_axis": self.split_axis,
             "param_elements": self.param_elements,
             "local_elements": self.local_elements,
             "bytes_per_element": {
@@ -140,8 +157,14 @@ def estimate_memory(
     grads = [
         n.collective
         for n in plan.collectives()
-        if n.collective is not None and n.collective.op == "all_reduce" and n.phase == "backward"
+        if n.collective is not None
+        and n.collective.op == "all_reduce"
+        and n.phase == "backward"
+        and _purpose(n) != "activation"
     ]
+    activations = [n for n in plan.collectives() if _purpose(n) == "activation"]
+    if not grads and activations:
+        return _split_memory(plan, groups, activations, optimizer_bytes_per_param, device)
     if not grads:
         raise ConfigError(
             f"the {plan.strategy} plan has no gradient all-reduce and no parameter gather "
@@ -199,6 +222,40 @@ def _sharded_memory(
     what = "gathered params + full grads: " + ", ".join(parts) if parts else ""
     return MemoryEstimate(
         plan.strategy, shard_group, psi, local, elem, elem, k, gathered, what, device
+    )
+
+
+def _purpose(node: PlanNode) -> str:
+    facts = node.facts(Collective)
+    return facts.purpose if facts is not None else ""
+
+
+def _split_memory(
+    plan: ExecutionPlan,
+    groups: Groups,
+    activations: list[PlanNode],
+    k: float,
+    device: int | None,
+) -> MemoryEstimate:
+    """Tensor parallelism alone: the whole model (the wrap-time broadcast) over tp."""
+    state = [
+        n.collective
+        for n in plan.collectives()
+        if n.phase == "setup" and n.collective is not None and _purpose(n) == "broadcast"
+    ]
+    if not state:
+        raise ConfigError(
+            f"the {plan.strategy} plan has no wrap-time broadcast to size the model by "
+            f"(captured on {plan.world_size} rank(s)); capture it on 2 or more ranks"
+        )
+    spec = activations[0].collective
+    assert spec is not None
+    split = groups.of(spec.axis).size
+    psi = sum(s.numel for s in state)
+    elem = sum(s.numel * s.element_size for s in state) / psi if psi else 0.0
+    local = -(-psi // split)
+    return MemoryEstimate(
+        plan.strategy, split, psi, local, elem, elem, k, 0, "", device, split_axis=spec.axis
     )
 
 

@@ -10,6 +10,9 @@ The per-step total is the sum of the per-step collectives, one after the other: 
 overlap with compute or between collectives (the real step hides part of it behind
 backward; how much needs compute times, which this does not model). Collectives of the
 ``setup`` phase (the wrap-time broadcast) run once and are reported apart.
+Tensor parallelism's activation collectives (one per layer collective, bytes from the
+captured forward) are per-step collectives on the simulated mesh's ``tp`` group; the
+report also lists them per layer.
 
 The parts: :mod:`lamina.simulate.groups` (the simulated group of each mesh axis),
 :mod:`lamina.simulate.timing` (each collective's time), :mod:`lamina.simulate.memory`
@@ -22,7 +25,7 @@ from __future__ import annotations
 from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
-from lamina.simulate.groups import Groups
+from lamina.simulate.groups import Groups, check_axes
 from lamina.simulate.memory import ADAMW_BYTES_PER_PARAM, estimate_memory
 from lamina.simulate.report import StepPrediction, assumptions
 from lamina.simulate.timing import CollectiveTime, predict_collective, replica_all_reduce
@@ -35,6 +38,7 @@ def predict(
     optimizer_bytes_per_param: float = ADAMW_BYTES_PER_PARAM,
 ) -> StepPrediction:
     """Predict ``plan``'s per-step communication and per-rank memory on ``cluster``."""
+    check_axes(plan, cluster)
     groups = Groups(cluster)
     per_step: list[CollectiveTime] = []
     once: list[CollectiveTime] = []
@@ -55,7 +59,7 @@ def predict(
         per_step=tuple(per_step),
         once=tuple(once),
         memory=memory,
-        assumptions=assumptions(plan, cluster, optimizer_bytes_per_param),
+        assumptions=assumptions(plan, cluster, optimizer_bytes_per_param, groups),
         groups=groups.described(),
     )
 

@@ -1,5 +1,8 @@
 """A step's prediction as a result: its totals, the text report, the JSON, the assumptions.
 
+Tensor parallelism's activation collectives are per-step collectives like the others
+(in the table and the totals) and are also listed per layer (:meth:`StepPrediction.by_layer`).
+
 :class:`StepPrediction` holds every collective's time (:mod:`lamina.simulate.timing`) and
 the per-rank memory (:mod:`lamina.simulate.memory`); :func:`assumptions` lists what the
 prediction assumes, as the report prints it.
@@ -11,14 +14,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
+from lamina.simulate.groups import LINKS, Groups
 from lamina.simulate.memory import MemoryEstimate
 from lamina.simulate.timing import CollectiveTime
 from lamina.units import format_bytes
 
 #: Rows of the per-collective table the text report prints before eliding.
 MAX_ROWS = 24
+#: The purpose of tensor parallelism's collectives on activations.
+ACTIVATION = "activation"
+#: How the report names the root module (whose name is "").
+ROOT = "(root)"
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,37 @@ class StepPrediction:
         """Bytes of the per-step collectives (each counted once, as the buffer size)."""
         return sum(c.nbytes for c in self.per_step)
 
+    @property
+    def activations(self) -> tuple[CollectiveTime, ...]:
+        """Tensor parallelism's activation collectives of the step (part of
+        :attr:`per_step`)."""
+        return tuple(c for c in self.per_step if c.purpose == ACTIVATION)
+
+    def by_layer(self) -> list[LayerRow]:
+        """The activation collectives summed per (layer, op), in plan order (the root
+        module as ``(root)``)."""
+        table: dict[tuple[str, str], LayerRow] = {}
+        for c in self.activations:
+            layer = c.layer or ROOT
+            row = table.get((layer, c.op))
+            links = _links(c)
+            if row is None:
+                table[(layer, c.op)] = LayerRow(
+                    layer, c.op, 1, c.nbytes, c.seconds, links, c.group_size, c.axis
+                )
+            else:
+                table[(layer, c.op)] = LayerRow(
+                    layer,
+                    c.op,
+                    row.count + 1,
+                    row.nbytes + c.nbytes,
+                    row.seconds + c.seconds,
+                    row.link if row.link == links else "intra+inter",
+                    row.group_size,
+                    row.axis,
+                )
+        return list(table.values())
+
     def by_kind(self) -> list[tuple[str, str, str, int, float]]:
         """(op, phase name, link, collectives, seconds) summed over the step."""
         table: dict[tuple[str, str, str], tuple[int, float]] = {}
@@ -68,6 +108,8 @@ class StepPrediction:
             f"collectives per step ({len(self.per_step)}):",
         ]
         lines += _collective_table(self.per_step)
+        if self.activations:
+            lines += ["", *self._layer_table()]
         lines += ["", "per step by kind, phase and link class:"]
         lines.append(f"  {'op':<15}{'phase':<22}{'link':<7}{'count':>6}{'ms':>12}")
         for op, name, link, count, seconds in self.by_kind():
@@ -76,7 +118,14 @@ class StepPrediction:
             "",
             f"per step: {_ms(self.total_s)} ms of communication (intra {_ms(self.link_s('intra'))}"
             f" ms, inter {_ms(self.link_s('inter'))} ms), {len(self.per_step)} collective(s), "
-            f"{format_bytes(self.step_bytes)}",
+            f"{format_bytes(self.step_bytes)}"
+            + (
+                f"; tensor-parallel activations {_ms(self.activation_s)} ms of it "
+                f"({len(self.activations)} collective(s), "
+                f"{format_bytes(sum(c.nbytes for c in self.activations))})"
+                if self.activations
+                else ""
+            ),
         ]
         if self.once:
             total = sum(c.seconds for c in self.once)
@@ -89,7 +138,13 @@ class StepPrediction:
                 + ")"
             )
         memory = self.memory
-        kind = "replicated" if memory.shard_group == 1 else f"sharded over {memory.shard_group:,}"
+        kind = (
+            "replicated"
+            if memory.shard_group == 1
+            else f"split over {memory.split_axis}={memory.shard_group:,}"
+            if memory.split_axis
+            else f"sharded over {memory.shard_group:,}"
+        )
         lines += ["", f"memory per rank ({self.strategy}, {kind}; activations not counted):"]
         width = max(len(format_bytes(b)) for _, b, _ in memory.rows())
         for what, nbytes, formula in memory.rows():
@@ -103,6 +158,35 @@ class StepPrediction:
             )
         lines += ["", "assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
+
+    @property
+    def activation_s(self) -> float:
+        """The part of :attr:`total_s` spent in tensor-parallel activation collectives."""
+        return sum(c.seconds for c in self.activations)
+
+    def _layer_table(self) -> list[str]:
+        rows = self.by_layer()
+        first = self.activations[0]
+        group = f"{first.axis} group of {first.group_size:,} rank(s)"
+        out = [
+            f"tensor-parallel activation collectives per layer ({len(self.activations)} on the "
+            f"{group}; bytes per microbatch from the captured forward):"
+        ]
+        width = max([24, *(len(r.layer) for r in rows)]) + 2
+        out.append(
+            f"  {'layer':<{width}}{'op':<15}{'count':>6}{'bytes':>11}  {'link':<12}{'ms':>10}"
+        )
+        for r in rows:
+            out.append(
+                f"  {r.layer:<{width}}{r.op:<15}{r.count:>6}{format_bytes(r.nbytes):>11}  "
+                f"{r.link:<12}{_ms(r.seconds):>10}"
+            )
+        total = sum(r.nbytes for r in rows)
+        out.append(
+            f"  {'total':<{width}}{'':<15}{len(self.activations):>6}{format_bytes(total):>11}  "
+            f"{'':<12}{_ms(self.activation_s):>10}"
+        )
+        return out
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (seconds, bytes)."""
@@ -123,6 +207,12 @@ class StepPrediction:
                     for op, name, link, n, s in self.by_kind()
                 ],
             },
+            "activations": {
+                "seconds": self.activation_s,
+                "bytes": sum(c.nbytes for c in self.activations),
+                "collectives": len(self.activations),
+                "by_layer": [r.to_json() for r in self.by_layer()],
+            },
             "collectives": [c.to_json() for c in self.per_step],
             "once": [c.to_json() for c in self.once],
             "memory": self.memory.to_json(),
@@ -130,7 +220,9 @@ class StepPrediction:
         }
 
 
-def assumptions(plan: ExecutionPlan, cluster: Cluster, k: float) -> tuple[str, ...]:
+def assumptions(
+    plan: ExecutionPlan, cluster: Cluster, k: float, groups: Groups | None = None
+) -> tuple[str, ...]:
     """The assumptions behind a prediction, as the report lists them."""
     out = [
         "per-step time = every per-step collective one after the other: no overlap with "
@@ -154,10 +246,83 @@ def assumptions(plan: ExecutionPlan, cluster: Cluster, k: float) -> tuple[str, .
             if plan.replicate_axis
             else []
         ),
+        *_tp_assumptions(plan, cluster, groups),
         f"memory: model state only, K = {k:g} B of optimizer state per parameter (AdamW: two "
         "fp32 moments); activations, workspace and allocator slack not counted",
     ]
     return tuple(out)
+
+
+def _tp_assumptions(plan: ExecutionPlan, cluster: Cluster, groups: Groups | None) -> list[str]:
+    """What a prediction with tensor-parallel activation collectives assumes."""
+    specs = [
+        n.collective
+        for n in plan.collectives()
+        if n.collective is not None
+        and (facts := n.facts(Collective)) is not None
+        and facts.purpose == ACTIVATION
+    ]
+    if not specs:
+        return []
+    axis, captured = specs[0].axis, len(specs[0].group)
+    out = [
+        "tensor-parallel activation collectives: one per layer collective of the captured "
+        "step, each the full activation (or its gradient) of the capture's microbatch, not "
+        "scaled by the simulated data-parallel world"
+    ]
+    if groups is not None:
+        group = groups.of(axis)
+        where = (
+            f"it CROSSES HOSTS ({group.model.layout.host_count} hosts of "
+            f"{cluster.devices_per_host}): its rings run over the inter-host link"
+            if group.crosses_hosts
+            else "inside one host: the intra-host link"
+        )
+        whose = "the simulated mesh's" if cluster.mesh else "the whole cluster (no mesh)"
+        out.append(
+            f"the {axis} group is {whose} ({axis}={group.size}, the capture's had "
+            f"{captured}), {where}"
+        )
+        if "+" in plan.strategy and group.size != captured:
+            out.append(
+                f"the other strategies' buckets and units hold the capture's {axis}-local "
+                f"tensors ({axis}={captured}): their bytes and the model state are not "
+                f"rescaled to {axis}={group.size}"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """The activation collectives of one (layer, op) summed over the step."""
+
+    layer: str
+    op: str
+    count: int
+    nbytes: int
+    seconds: float
+    #: The link classes that bound them: intra, inter or intra+inter.
+    link: str
+    group_size: int
+    axis: str
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (seconds, bytes)."""
+        return {
+            "layer": self.layer,
+            "op": self.op,
+            "count": self.count,
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "link": self.link,
+            "group_size": self.group_size,
+            "axis": self.axis,
+        }
+
+
+def _links(c: CollectiveTime) -> str:
+    used = [link for link in LINKS if any(p.link == link for p in c.phases)]
+    return "+".join(used) or "none"
 
 
 def _collective_table(rows: Iterable[CollectiveTime]) -> list[str]:
@@ -184,4 +349,4 @@ def _ms(seconds: float) -> str:
     return f"{value:.3f}" if value < 1000 else f"{value:,.1f}"
 
 
-__all__ = ["MAX_ROWS", "StepPrediction", "assumptions"]
+__all__ = ["ACTIVATION", "MAX_ROWS", "LayerRow", "StepPrediction", "assumptions"]

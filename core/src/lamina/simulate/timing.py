@@ -22,6 +22,12 @@ message, ``beta`` seconds per byte; a group of ``P = H x L`` ranks, ``H`` hosts 
   bottleneck link.
 - **broadcast**: scatter then ring all-gather (van de Geijn): ``2(P-1)`` steps of
   ``n/P``, costed like the ring all-reduce in topology order.
+- **tensor-parallel activation collectives** (``Collective(purpose="activation")``, one
+  per layer collective of the step): the same formulas on the ``tp`` group of the
+  simulated mesh, ``n`` the full activation of the captured microbatch (not scaled by the
+  data-parallel world): inside one host an all-reduce ring is
+  ``2(P-1)(alpha_intra + n/P beta_intra)`` and an all-gather or reduce-scatter
+  ``(P-1)(alpha_intra + n/P beta_intra)``; a tp group across hosts pays the inter edge.
 - **all-to-all**: pairwise exchange, ``L-1`` intra messages and ``P-L`` inter messages of
   ``n/P``, the ``L`` ranks of a host sharing its uplink.
 """
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.errors import ConfigError
+from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import PlanNode
 from lamina.simulate.groups import Groups, PhaseTime
 
@@ -51,6 +58,10 @@ class CollectiveTime:
     algorithm: str
     chunks: int
     phases: tuple[PhaseTime, ...]
+    #: Why the node runs (the plan's ``Collective.purpose``: gradient, activation, ...).
+    purpose: str = ""
+    #: The module whose activations a tensor-parallel collective carries ("" otherwise).
+    layer: str = ""
 
     @property
     def seconds(self) -> float:
@@ -65,6 +76,8 @@ class CollectiveTime:
         """Plain data (seconds)."""
         return {
             "node": self.node,
+            "purpose": self.purpose,
+            "layer": self.layer,
             "op": self.op,
             "step_phase": self.step_phase,
             "bytes": self.nbytes,
@@ -117,8 +130,21 @@ def predict_collective(groups: Groups, node: PlanNode) -> CollectiveTime:
             f"plan node {node.id!r}: collective {op!r} has no model; lamina plan --simulate "
             "models all_reduce, all_gather, reduce_scatter, broadcast and all_to_all"
         )
+    facts = node.facts(Collective)
+    purpose = facts.purpose if facts is not None else "gather"
+    layer = facts.layer if facts is not None else ""
     return CollectiveTime(
-        node.id, op, node.phase, nbytes, group.size, spec.axis, algorithm, chunks, phases
+        node.id,
+        op,
+        node.phase,
+        nbytes,
+        group.size,
+        spec.axis,
+        algorithm,
+        chunks,
+        phases,
+        purpose,
+        layer,
     )
 
 
@@ -143,6 +169,7 @@ def replica_all_reduce(groups: Groups, scatter: PlanNode, axis: str) -> Collecti
         algorithm,
         chunks,
         phases,
+        "replicate",
     )
 
 

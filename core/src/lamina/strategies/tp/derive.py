@@ -540,6 +540,12 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
             modules.append(owner)
     if any(id(t) in sliced for t in recorded.outputs):
         return plan  # the output would leave the model as slices: no split
+    embedded = {
+        id(t)
+        for c in recorded.calls
+        if c.name in {e.module for e in plan.embeddings}
+        for t in c.outputs
+    }
     return TensorPlan(
         plan.size,
         plan.regions,
@@ -550,6 +556,7 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
         tuple(modules),
         plan.replicated,
         plan.source,
+        split_at_embedding=id(entry) in embedded,
     )
 
 

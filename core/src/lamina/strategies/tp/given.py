@@ -74,6 +74,7 @@ def plan_from_styles(
         modules if sequence else (),
         derived.replicated,
         "given as torch ParallelStyle objects",
+        split_at_embedding=derived.split_at_embedding,
     )
 
 

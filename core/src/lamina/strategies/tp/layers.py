@@ -90,6 +90,9 @@ class TensorPlan:
     replicated: tuple[tuple[str, str], ...] = ()
     source: str = "derived from the captured graph"
     seq_dim: int = field(default=1)
+    #: Whether ``split_at``'s input is an embedding's output itself (nothing added to it
+    #: between, such as learned positions): the embedding can then give the slices.
+    split_at_embedding: bool = False
 
     def columns(self) -> dict[str, Column]:
         """Linear name -> its column split."""

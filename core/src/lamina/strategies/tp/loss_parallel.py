@@ -25,6 +25,8 @@ from torch.overrides import TorchFunctionMode
 from lamina.errors import ConfigError
 from lamina.strategies.tp.activation_ops import TensorGroup
 
+#: Tensor methods that compute nothing from the values (autograd bookkeeping).
+_PASS = frozenset({"detach", "requires_grad_", "retain_grad", "register_hook"})
 #: Views that keep the vocabulary the last dim of the sliced logits.
 _VIEWS = frozenset({"view", "reshape", "flatten", "contiguous", "float", "to"})
 
@@ -146,7 +148,9 @@ class _LossMode(TorchFunctionMode):
         if name == "cross_entropy":
             return _cross_entropy(args, kwargs, start, self.tp)
         out = func(*args, **kwargs)
-        if name in _VIEWS and isinstance(out, torch.Tensor) and out.shape[-1] == args[0].shape[-1]:
+        if not isinstance(out, torch.Tensor) or name in _PASS:
+            return out  # hooks, sizes, flags: nothing computed from the values
+        if name in _VIEWS and out.shape[-1] == args[0].shape[-1]:
             self.sliced.mark(out, start)
             return out
         raise ConfigError(

@@ -26,8 +26,14 @@ def torch_styles(plan: TensorPlan) -> dict[str, ParallelStyle]:
     sp = plan.sequence_parallel
     between = Shard(plan.seq_dim) if sp else Replicate()
     styles: dict[str, ParallelStyle] = {}
+    sliced_by_embedding = sp and plan.split_at_embedding
     for emb in plan.embeddings:
-        styles[emb.module] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        out = between if sliced_by_embedding else Replicate()
+        styles[emb.module] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+    if sp and not sliced_by_embedding:  # something is added first (learned positions)
+        styles[plan.split_at] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(between,), use_local_output=True
+        )
     for region in plan.regions:
         gathered = sp and not region.owned  # no module of its own: each column gathers
         if sp and region.owned and isinstance(region.entry, str):
