@@ -48,12 +48,16 @@ class Group:
     """A simulated group (one mesh axis) with its cost model and cached ring figures."""
 
     def __init__(
-        self, label: str, model: ClusterCostModel, whole_job: bool, mesh_axes: bool = False
+        self,
+        label: str,
+        model: ClusterCostModel,
+        whole_job: bool,
+        mesh_axes: tuple[str, ...] = (),
     ) -> None:
         self.label = label
         self.model = model
         self.size = model.layout.size
-        self.mesh_axes = mesh_axes
+        self.mesh_axes = mesh_axes  # the declared mesh axes this group spans (none: a legacy axis)
         unavailable = unavailable_algorithms(model.layout, "nccl", whole_job)
         self.allowed = tuple(a for a in ALGORITHMS if a not in unavailable)
         self._chosen: dict[int, tuple[str, int, tuple[PhaseTime, ...]]] = {}
@@ -132,7 +136,7 @@ class Group:
             where = ", inside one host (intra link)"
         elif self.mesh_axes and self.size > 1:
             # tensor parallelism is meant to stay inside a host: say so loudly
-            loud = TP_AXIS in self.label.split(" ")[0].split("+")
+            loud = TP_AXIS in self.mesh_axes
             where = (
                 f", {'CROSSES HOSTS:' if loud else 'across'} {layout.host_count:,} hosts "
                 "(inter-host link)"
@@ -180,7 +184,7 @@ class Groups:
                 whole = hosts * per_host == c.world_size
                 model = c.group_model(hosts, per_host)
                 label = f"{kind} (mesh axis{'es' if '+' in kind else ''})"
-                group = Group(label, model, whole, mesh_axes=True)
+                group = Group(label, model, whole, mesh_axes=tuple(kind.split("+")))
             self._by_kind[kind] = group
         return self._by_kind[kind]
 
