@@ -148,6 +148,8 @@ class PlannedStep:
 
     ``module`` is the model being distributed, ``plan`` its step, ``manifest`` the items
     added to this rank's pre-flight manifest (the captured graph, the shards),
+    ``leading_manifest`` items compared before the parameters (a pipeline's transfers,
+    so that a mismatch names the send and its recv first),
     ``broadcast`` the setup broadcast to run (None: none), ``inputs`` what the strategy's
     :meth:`Strategy.build` needs beyond the plan (its own type, opaque to lamina).
     :func:`lamina.distribute` fills ``preflight`` (None when verification is off),
@@ -166,6 +168,7 @@ class PlannedStep:
     preflight: PreflightReport | None = None
     run_log: RunLog | None = None
     verify_again: Callable[[ExecutionPlan], PreflightReport] | None = None
+    leading_manifest: ManifestItems = ()
 
     def log(self) -> RunLog:
         """The run log lamina made for this plan (a RuntimeError before it did)."""

@@ -80,6 +80,7 @@ def manifest_of(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> Ma
         mesh=runtime.mesh.lines(),
         module=module,
         extra=planned.manifest,
+        leading=planned.leading_manifest,
         plan_lines=planned.plan.collective_sequence(),
     )
     topology = runtime.topology

@@ -16,9 +16,10 @@ from lamina.strategies.contract import Strategy
 
 
 def builtin_strategies() -> list[Strategy]:
-    """dp, zero3, hsdp and tp (imported here, on first use, not when lamina is imported)."""
+    """dp, zero3, hsdp, tp and pp (imported here, on first use, not when lamina is imported)."""
     from lamina.strategies.dp import DataParallelStrategy
     from lamina.strategies.hsdp import HybridShardedStrategy
+    from lamina.strategies.pp import PipelineStrategy
     from lamina.strategies.tp import TensorParallelStrategy
     from lamina.strategies.zero3 import Zero3Strategy
 
@@ -27,6 +28,7 @@ def builtin_strategies() -> list[Strategy]:
         Zero3Strategy(),
         HybridShardedStrategy(),
         TensorParallelStrategy(),
+        PipelineStrategy(),
     ]
 
 

@@ -129,9 +129,11 @@ def build_manifest(
     module: nn.Module | None = None,
     extra: Iterable[tuple[str, Sequence[str]]] = (),
     plan_lines: Iterable[str] | None = None,
+    leading: Iterable[tuple[str, Sequence[str]]] = (),
 ) -> Manifest:
     """This rank's manifest: world, backend and mesh (its canonical ``lines``) always,
-    then the parameters, the ``extra`` categories a strategy contributes, and the plan.
+    then the ``leading`` categories, the parameters, the ``extra`` categories a strategy
+    contributes, and the plan.
 
     ``plan_lines`` is the plan's canonical text, e.g. ``plan.collective_sequence()``.
     """
@@ -140,6 +142,7 @@ def build_manifest(
         ("backend", backend_lines(backend, collective_backend)),
         ("mesh", tuple(str(line) for line in mesh)),
     ]
+    items += [(name, tuple(str(line) for line in lines)) for name, lines in leading]
     if module is not None:
         items.append(("parameters", parameter_lines(module)))
     items += [(name, tuple(str(line) for line in lines)) for name, lines in extra]

@@ -1,0 +1,216 @@
+"""Where the stages are cut: each block's forward + backward timed on the device, then
+the chain split into contiguous stages that balance it (:func:`cut_stages`).
+
+Every block is run a few times on the activation and side inputs it gets in one
+recorded forward (one microbatch); the median forward + backward is its cost. What runs
+outside the blocks (the prefix and suffix: embeddings, final norm, head, the loss) is
+the whole model's time less the blocks', charged to the last stage, where the head and
+the loss run. The split minimizes the slowest stage, ties broken by the smaller largest
+activation crossing a cut, then by the earlier cut. ``split_points=`` (the blocks that
+begin stages 1, 2, ...) overrides it.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lamina.errors import ConfigError
+from lamina.graph.state import preserved
+from lamina.strategies.pp.chain import BlockChain
+from lamina.strategies.pp.stages import StageSpan
+
+#: Timed runs per block (after one warm-up run), of which the median counts.
+TIMED_RUNS = 3
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Measured seconds of each block's forward + backward, and of the rest."""
+
+    blocks: tuple[float, ...]
+    rest: float
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """The stages: their spans and predicted seconds per microbatch."""
+
+    spans: tuple[StageSpan, ...]
+    seconds: tuple[float, ...]
+    #: Bytes of one microbatch's activation crossing each cut (stage i -> i + 1).
+    crossing_bytes: tuple[int, ...]
+    source: str  # "measured" or "split_points"
+
+
+def measure_costs(
+    model: nn.Module, chain: BlockChain, run: Callable[[], Any], runs: int = TIMED_RUNS
+) -> BlockCosts:
+    """Each block's and the rest's forward + backward seconds (median of ``runs``)."""
+    inputs = _block_inputs(model, chain, run)
+    blocks = []
+    with preserved(model):
+        for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
+            block = model.get_submodule(name)
+            blocks.append(_median_seconds(partial(_fwd_bwd, block, args, kwargs), runs))
+        whole = _median_seconds(lambda: _backward(run()), runs)
+        model.zero_grad(set_to_none=True)
+    return BlockCosts(tuple(blocks), max(whole - sum(blocks), 0.0))
+
+
+def cut_stages(
+    chain: BlockChain,
+    count: int,
+    costs: BlockCosts | None,
+    split_points: Sequence[str] | None = None,
+) -> StageCut:
+    """``count`` stages of ``chain``: from ``split_points`` when given, else balancing
+    ``costs`` (see the module)."""
+    n = len(chain.blocks)
+    if count > n:
+        raise ConfigError(
+            f"strategy 'pp': {count} stages need at least {count} blocks but "
+            f"{chain.container} has {n}; use fewer stages (or virtual stages)"
+        )
+    block_costs = costs.blocks if costs is not None else tuple(1.0 for _ in range(n))
+    rest = costs.rest if costs is not None else 0.0
+    if split_points is not None:
+        starts = _starts_from(chain, list(split_points), count)
+        source = "split_points"
+    else:
+        starts = _balanced_starts(block_costs, rest, count, chain)
+        source = "measured"
+    bounds = [*starts, n]
+    spans = tuple(StageSpan(i, count, bounds[i], bounds[i + 1]) for i in range(count))
+    seconds = tuple(
+        sum(block_costs[s.start : s.stop]) + (rest if s.is_last else 0.0) for s in spans
+    )
+    crossing = tuple(_bytes(chain, s.stop) for s in spans[:-1])
+    return StageCut(spans, seconds, crossing, source)
+
+
+def _starts_from(chain: BlockChain, points: list[str], count: int) -> list[int]:
+    index = {name: i for i, name in enumerate(chain.blocks)}
+    unknown = [p for p in points if p not in index]
+    if unknown:
+        raise ConfigError(
+            f"strategy 'pp': split point {unknown[0]!r} is not a block of {chain.container} "
+            f"(blocks {chain.blocks[0]} .. {chain.blocks[-1]}); name the blocks that begin "
+            "stages 1, 2, ..."
+        )
+    starts = [0, *sorted(index[p] for p in points)]
+    if len(starts) != count or len(set(starts)) != count:
+        raise ConfigError(
+            f"strategy 'pp': split_points {points} make {len(set(starts))} stages but the "
+            f"schedule runs {count}; give {count - 1} distinct blocks after the first"
+        )
+    return starts
+
+
+def _balanced_starts(
+    costs: Sequence[float], rest: float, count: int, chain: BlockChain
+) -> list[int]:
+    """Start block of each stage: the contiguous split whose slowest stage is fastest."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> float:  # blocks [i, j)
+        return prefix[j] - prefix[i] + (rest if j == n else 0.0)
+
+    # best[k][j]: (slowest stage, largest crossing, starts) splitting blocks [0, j) in k
+    Key = tuple[float, int, tuple[int, ...]]
+    best: list[dict[int, Key]] = [{0: (0.0, 0, ())}]
+    for k in range(1, count + 1):
+        row: dict[int, Key] = {}
+        for j in range(k, n - (count - k) + 1):
+            options = []
+            for i, (slowest, crossing, starts) in best[k - 1].items():
+                if i >= j:
+                    continue
+                cross = max(crossing, _bytes(chain, j) if j < n else 0)
+                options.append((max(slowest, cost(i, j)), cross, (*starts, i)))
+            if options:
+                row[j] = min(options, key=lambda o: (round(o[0], 12), o[1], o[2]))
+        best.append(row)
+    return list(best[count][n][2])
+
+
+def _bytes(chain: BlockChain, index: int) -> int:
+    """Bytes of the activation entering block ``index`` (one microbatch)."""
+    shape = chain.entry_shapes[index]
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * torch.empty((), dtype=chain.entry_dtype).element_size()
+
+
+def _block_inputs(
+    model: nn.Module, chain: BlockChain, run: Callable[[], Any]
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each block's (args, kwargs) in one forward, detached."""
+    seen: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    handles = []
+    for name in chain.blocks:
+
+        def hook(_m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
+            seen[name] = _fresh((args, kwargs))
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with preserved(model), torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[name] for name in chain.blocks]
+
+
+def _fresh(value: Any) -> Any:
+    """``value`` with tensors detached and stateful objects (a Hugging Face key/value
+    cache, which each call appends to) copied as they are now."""
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return t.detach()
+        if t is None or isinstance(t, (bool, int, float, str, torch.dtype, torch.device)):
+            return t
+        return copy.deepcopy(t)
+
+    return pytree.tree_map(leaf, value)
+
+
+def _fwd_bwd(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    args, kwargs = _fresh((args, kwargs))
+    first = args[0].clone().requires_grad_(True)
+    _backward(block(first, *args[1:], **kwargs))
+
+
+def _backward(out: Any) -> None:
+    tensors = [
+        t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if hasattr(out, "logits"):
+        tensors = [out.logits]
+    if tensors:
+        sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
+
+
+def _median_seconds(fn: Callable[[], None], runs: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -1,0 +1,158 @@
+"""What runs a pipelined step (:class:`PipelineEngine`): torch's schedule over this
+rank's stages, then the gradient all-reduces the plan lists, then the loss handed to
+every rank of the pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from lamina.errors import ConfigError
+from lamina.strategies.pp.layout import PipelineLayout
+from lamina.strategies.pp.stages import StageRunner, join_inputs
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class TiedWeight:
+    """A weight two or more stages hold: its local parameter and the group summing it."""
+
+    name: str
+    param: nn.Parameter
+    group: dist.ProcessGroup | None
+
+
+@dataclass
+class PipelineEngine:
+    """This rank's stages and the groups a step uses (see the module)."""
+
+    runners: list[StageRunner]
+    layout: PipelineLayout
+    microbatches: int
+    device: torch.device
+    pipeline_group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup | None
+    ties: list[TiedWeight]
+    params: list[nn.Parameter]
+    _schedules: dict[int, Any] = field(default_factory=dict)
+    _stages: list[PipelineStage] | None = None
+    steps: int = 0
+
+    @property
+    def holds_last(self) -> bool:
+        return any(r.span.is_last for r in self.runners)
+
+    def step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        input_kwargs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """One training step's forward and backward over the microbatches; the mean
+        microbatch loss (on every rank). Gradients are left for the user's optimizer."""
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        batch = _batch_size(args, input_kwargs or {})
+        if batch % self.microbatches:
+            raise ConfigError(
+                f"model.step: a batch of {batch} does not split into {self.microbatches} "
+                "microbatches; make the batch a multiple of microbatches="
+            )
+        schedule = self._schedule(loss_fn)
+        losses: list[torch.Tensor] = []
+        kwargs = join_inputs(args, input_kwargs or {})
+        before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
+        if self.holds_last:
+            schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
+        else:
+            schedule.step(**kwargs, return_outputs=False)
+        self._mean_over_microbatches(before)
+        self._sum_tied()
+        self._average_replicas()
+        self.steps += 1
+        return self._loss(losses)
+
+    def _schedule(self, loss_fn: LossFn) -> Any:
+        key = id(loss_fn)
+        if key not in self._schedules:
+            if self._stages is None:
+                self._stages = [
+                    PipelineStage(
+                        runner,
+                        runner.span.index,
+                        runner.span.count,
+                        self.device,
+                        group=self.pipeline_group,
+                    )
+                    for runner in self.runners
+                ]
+            kind = self.layout.schedule
+            held: Any = self._stages if kind.multi else self._stages[0]
+            self._schedules.clear()  # one loss at a time: torch's stages keep one schedule
+            self._schedules[key] = kind.torch_class(
+                held, self.microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        return self._schedules[key]
+
+    def _mean_over_microbatches(self, before: dict[int, torch.Tensor]) -> None:
+        """The step's gradient as the mean over its microbatches, added to what was
+        there before (each local parameter once: a weight two local stages share too)."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            earlier = before.get(id(p))
+            if earlier is None:
+                p.grad.div_(self.microbatches)
+            else:
+                p.grad.sub_(earlier).div_(self.microbatches).add_(earlier)
+
+    def _sum_tied(self) -> None:
+        for tie in self.ties:
+            grad = tie.param.grad
+            if tie.group is None:
+                continue
+            if grad is None:
+                grad = tie.param.grad = torch.zeros_like(tie.param)
+            dist.all_reduce(grad, group=tie.group)
+
+    def _average_replicas(self) -> None:
+        group = self.replica_group
+        if group is None:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        size = dist.get_world_size(group)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=group)
+            flat /= size
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _loss(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:
+            value = torch.stack([loss.detach().float() for loss in losses]).mean()
+        last = self.layout.pipeline[self.layout.holder(self.layout.stage_count - 1)]
+        dist.broadcast(value, src=last, group=self.pipeline_group)
+        return value
+
+
+def _batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ConfigError("model.step: no input tensor to split into microbatches; pass the batch")

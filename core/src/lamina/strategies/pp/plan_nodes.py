@@ -1,0 +1,147 @@
+"""The execution plan of a pipelined step: :func:`build_pipeline_plan`.
+
+The plan describes one pipeline, the same on every rank (each runs its own stages'
+nodes): per stage and microbatch a forward and a backward, the activation it sends to
+the next stage and the gradient it sends back (a ``send`` node paired with the peer's
+``recv`` by an edge; peers are pipeline ranks, the position on the ``pp`` axis), then
+per pipeline rank the all-reduce of its stages' gradients across the pipelines (the
+other axes), and the sum of a tied weight's gradient across the stages that hold it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lamina.runtime import (
+    Collective,
+    CollectiveSpec,
+    Compute,
+    ExecutionPlan,
+    PlanNode,
+    Transfer,
+)
+from lamina.runtime.broadcasts import broadcast_nodes
+from lamina.runtime.plan import meta_items
+from lamina.runtime.render import LAYER_PLAN
+from lamina.strategies.pp.cut import StageCut
+from lamina.strategies.pp.layout import PipelineLayout
+
+OPTIMIZER = "optimizer"
+
+
+def build_pipeline_plan(
+    cut: StageCut,
+    layout: PipelineLayout,
+    microbatches: int,
+    activations: Sequence[tuple[tuple[int, ...], str, int]],
+    stage_params: Sequence[int],
+    ties: Sequence[tuple[str, int, tuple[int, ...]]],
+    setup: Sequence[tuple[str, int]],
+    replica_axis: str,
+    world: int,
+    backend: str,
+    lines: Sequence[str],
+) -> ExecutionPlan:
+    """The plan (see the module). ``activations``: (shape per microbatch, dtype, element
+    size) crossing each cut, in order; ``stage_params``: parameter elements per stage; ``ties``:
+    (name, elements, stages holding it) of tied weights; ``setup``: the setup broadcast's
+    elements by dtype."""
+    nodes = broadcast_nodes("setup", setup, tuple(range(world)), "world") if world > 1 else []
+    edges: list[tuple[str, str]] = []
+    count = len(cut.spans)
+
+    def fid(s: int, m: int, what: str) -> str:
+        return f"pp.stage{s}.mb{m}.{what}"
+
+    for span in cut.spans:
+        s = span.index
+        for m in range(microbatches):
+            nodes.append(
+                PlanNode(fid(s, m, "fwd"), "forward", "forward",
+                         f"stage {s} forward, microbatch {m}", Compute(stage=s, microbatch=m))
+            )  # fmt: skip
+            nodes.append(
+                PlanNode(fid(s, m, "bwd"), "backward", "backward",
+                         f"stage {s} backward, microbatch {m}", Compute(stage=s, microbatch=m))
+            )  # fmt: skip
+            edges.append((fid(s, m, "fwd"), fid(s, m, "bwd")))
+            if m:
+                edges.append((fid(s, m - 1, "fwd"), fid(s, m, "fwd")))
+            transfers = []
+            if s < count - 1:
+                transfers += [("send_act", "send", s + 1, "activation"),
+                              ("recv_grad", "recv", s + 1, "gradient")]  # fmt: skip
+            if s > 0:
+                transfers += [("recv_act", "recv", s - 1, "activation"),
+                              ("send_grad", "send", s - 1, "gradient")]  # fmt: skip
+            for what, kind, peer_stage, payload in transfers:
+                peer = layout.holder(peer_stage)
+                shape, dtype, size = activations[min(s, peer_stage)]
+                numel = math.prod(shape)
+                nodes.append(
+                    PlanNode(
+                        fid(s, m, what), kind, "forward" if payload == "activation" else "backward",
+                        f"stage {s} {kind} {payload} of microbatch {m} "
+                        f"{'to' if kind == 'send' else 'from'} stage {peer_stage}",
+                        Transfer(peer, s, m, payload, dtype, numel, size),  # type: ignore[arg-type]
+                    )
+                )  # fmt: skip
+            if s < count - 1:
+                edges += [(fid(s, m, "fwd"), fid(s, m, "send_act")),
+                          (fid(s, m, "send_act"), fid(s + 1, m, "recv_act")),
+                          (fid(s, m, "recv_grad"), fid(s, m, "bwd"))]  # fmt: skip
+            if s > 0:
+                edges += [(fid(s, m, "recv_act"), fid(s, m, "fwd")),
+                          (fid(s, m, "bwd"), fid(s, m, "send_grad")),
+                          (fid(s, m, "send_grad"), fid(s - 1, m, "recv_grad"))]  # fmt: skip
+    nodes.append(
+        PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)", Compute())
+    )
+    replicas = len(layout.pipelines)
+    for prank in range(layout.size):
+        stages = layout.stages_of(prank)
+        for name, elements, holders in ties:
+            ranks = tuple(sorted({layout.pipeline[layout.holder(s)] for s in holders}))
+            if prank != layout.holder(min(holders)) or len(ranks) < 2:
+                continue
+            node = f"pp.tied.{name}"
+            spec = CollectiveSpec("all_reduce", "float32", elements, 4, ranks, axis="pp")
+            about = f"{name}: tied weight's gradient summed over stages {list(holders)}"
+            nodes.append(PlanNode(node, "collective", "backward", about,
+                                  Collective("gradient", params=1, layer=name), spec))  # fmt: skip
+            edges += [(fid(s, microbatches - 1, "bwd"), node) for s in holders]
+            edges.append((node, OPTIMIZER))
+        if replicas < 2:
+            continue
+        elements = sum(stage_params[s] for s in stages)
+        node = f"pp.grad.rank{prank}"
+        group = layout.replicas_at(prank)
+        spec = CollectiveSpec("all_reduce", "float32", elements, 4, group, axis=replica_axis)
+        nodes.append(PlanNode(node, "collective", "backward",
+                              f"stages {list(stages)}: mean gradient across {replicas} pipelines",
+                              Collective("gradient", params=elements), spec))  # fmt: skip
+        edges += [(fid(s, microbatches - 1, "bwd"), node) for s in stages]
+        edges.append((node, OPTIMIZER))
+    for span in cut.spans:
+        edges.append((fid(span.index, microbatches - 1, "bwd"), OPTIMIZER))
+    for setup_node in nodes:
+        if setup_node.phase == "setup":
+            edges.append((setup_node.id, fid(0, 0, "fwd")))
+    return ExecutionPlan(
+        strategy="pp",
+        world_size=world,
+        backend=backend,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        meta=(
+            *meta_items(
+                pp=layout.size,
+                stages=count,
+                schedule=layout.schedule.name,
+                microbatches=microbatches,
+            ),
+            (LAYER_PLAN, "\n".join(lines)),
+        ),
+        replicate_axis=replica_axis if replicas > 1 else "",
+    )

@@ -1,0 +1,297 @@
+"""Pipeline parallelism (``pp``): the chain of blocks cut into stages, each schedule
+training as one process does on pp=2 x dp=2 and pp=4, the pre-flight check naming a send
+whose recv does not match, and DCP checkpoints resumed on another pipeline degree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lamina
+from lamina.errors import ConfigError, VerificationError
+from lamina.strategies.pp.chain import find_chain
+from lamina.strategies.pp.cut import BlockCosts, cut_stages
+from lamina.strategies.pp.schedules import bubble_fraction, schedule_kind
+from lamina.testing import run_ranks
+from models_for_tests import GPT, GPTConfig, tiny_llama
+
+pytestmark = [pytest.mark.multiprocess]
+
+VOCAB, BATCH, SEQ, LAYERS = 64, 8, 16, 8
+STEPS = 5
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _build(name: str, width: int = 32) -> nn.Module:
+    """The GPT example (tied embedding and head) or a Hugging Face Llama, 8 blocks."""
+    if name == "gpt":
+        config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=4)
+        return GPT(config)
+    return tiny_llama(0, num_hidden_layers=LAYERS)
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    from _gpt_model import lm_loss
+
+    return lm_loss(_logits(out), target)
+
+
+def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[str, Any]:
+    """5 steps of ``name`` pipelined, against the same model trained in this process on
+    every replica's batch (the same microbatches)."""
+    torch.manual_seed(0)
+    reference = _build(name)
+    torch.manual_seed(0)
+    ours = _build(name)
+    if runtime.rank:  # rank-seeded weights: the setup broadcast makes them rank 0's
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.add_(torch.randn_like(p))
+    axes = runtime.mesh.axis_names
+    replicas = runtime.mesh.size("dp") if "dp" in axes else 1
+    replica = runtime.mesh.coordinates().get("dp", 0)
+    xs = [_ids(10 + k) for k in range(STEPS * replicas)]
+    ys = [_ids(100 + k) for k in range(STEPS * replicas)]
+    ours = lamina.distribute(ours, "pp", example_inputs=(xs[0],), schedule=schedule)
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    opt_ref, opt_ours = make(reference.parameters()), make(ours.parameters())
+    loss_errors = []
+    for step in range(STEPS):
+        batch = range(step * replicas, (step + 1) * replicas)
+        parts = [_loss(reference(xs[k]), ys[k]) for k in batch]
+        (sum(parts) / replicas).backward()
+        k = step * replicas + replica
+        loss = ours.step(xs[k], ys[k], _loss)  # type: ignore[operator]
+        for opt in (opt_ref, opt_ours):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        want = parts[replica].item()
+        loss_errors.append(abs(loss.item() - want) / abs(want))
+    named = dict(reference.named_parameters(remove_duplicate=False))
+    mine = dict(ours.named_parameters(remove_duplicate=False))
+    diff = max((named[n].detach() - p.detach()).abs().max().item() for n, p in mine.items())
+    plan = ours.execution_plan  # type: ignore[union-attr]
+    return {
+        "loss": max(loss_errors),
+        "params": diff,
+        "stages": ours.stages,  # type: ignore[union-attr]
+        "strategy": plan.strategy,
+        "names": sorted(mine),
+    }
+
+
+def _save(name: str, directory: str) -> dict[str, torch.Tensor]:
+    """Train one step pipelined, save through DCP; this rank's parameters as saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    torch.manual_seed(1)
+    model = lamina.distribute(_build(name), "pp", example_inputs=(_ids(1),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.step(_ids(2), _ids(3), _loss)  # type: ignore[operator]
+    opt.step()
+    dcp.save(get_model_state_dict(model), checkpoint_id=directory)
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def _load(name: str, directory: str) -> dict[str, torch.Tensor]:
+    """A fresh pipelined model (other weights) loaded from ``directory``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(7)
+    model = lamina.distribute(_build(name), "pp", example_inputs=(_ids(1),))
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state)
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+#: (model, schedule, optimizer): each schedule on both models over the two layouts.
+PP_DP_CASES = [
+    ("gpt", "1f1b", "sgd"),
+    ("gpt", "zbv", "adamw"),
+    ("llama", "gpipe", "adamw"),
+    ("llama", "interleaved1f1b", "sgd"),
+]
+PP4_CASES = [
+    ("gpt", "interleaved1f1b", "adamw"),
+    ("gpt", "gpipe", "sgd"),
+    ("llama", "1f1b", "adamw"),
+    ("llama", "zbv", "sgd"),
+]
+
+
+def _pp_dp_job(directory: str) -> dict[str, Any]:
+    runtime = lamina.init(mesh={"pp": 2, "dp": 2})
+    out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP_DP_CASES}
+    out["saved"] = _save("gpt", directory)
+    lamina.shutdown()
+    return out
+
+
+def _pp4_job(directory: str) -> dict[str, Any]:
+    runtime = lamina.init(mesh={"pp": 4})
+    out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP4_CASES}
+    out["loaded"] = _load("gpt", directory)
+    lamina.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pp_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def pp_dp_results(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    return run_ranks(_pp_dp_job, 4, args=(str(checkpoint_dir),), env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pp4_results(pp_dp_results: list[dict[str, Any]], checkpoint_dir: Path) -> list[dict[str, Any]]:
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    return run_ranks(_pp4_job, 4, args=(str(checkpoint_dir),), env=env, timeout=600)
+
+
+def _check(results: list[dict[str, Any]], key: str) -> None:
+    for rank, result in enumerate(results):
+        got = result[key]
+        assert got["loss"] <= 1e-6, (rank, key, got["loss"])
+        assert got["params"] <= 1e-5, (rank, key, got["params"])
+        assert got["strategy"] == "pp"
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("name", "schedule", "optimizer"), PP_DP_CASES)
+def test_pp_by_dp_trains_as_one_process(
+    pp_dp_results: list[dict[str, Any]], name: str, schedule: str, optimizer: str
+) -> None:
+    key = f"{name}/{schedule}/{optimizer}"
+    _check(pp_dp_results, key)
+    per_rank = [r[key]["stages"] for r in pp_dp_results]
+    virtual = 2 if schedule in ("zbv", "interleaved1f1b") else 1
+    assert all(len(s) == virtual for s in per_rank)
+    # the two pipelines (mesh rows) hold the same stages: pp is the first axis
+    assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3] != per_rank[0]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("name", "schedule", "optimizer"), PP4_CASES)
+def test_pp4_trains_as_one_process(
+    pp4_results: list[dict[str, Any]], name: str, schedule: str, optimizer: str
+) -> None:
+    key = f"{name}/{schedule}/{optimizer}"
+    _check(pp4_results, key)
+    stages = sorted(s for r in pp4_results for s in r[key]["stages"])
+    assert stages == list(range(8 if schedule in ("zbv", "interleaved1f1b") else 4))
+    names = [set(r[key]["names"]) for r in pp4_results]
+    assert all(len(a & b) == 0 or "tok.weight" in a & b for a in names for b in names if a is not b)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_a_checkpoint_saved_under_pp2_by_dp2_loads_exactly_under_pp4_and_in_one_process(
+    pp_dp_results: list[dict[str, Any]], pp4_results: list[dict[str, Any]], checkpoint_dir: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    saved: dict[str, torch.Tensor] = {}
+    for result in pp_dp_results:
+        saved.update(result["saved"])
+    for rank, result in enumerate(pp4_results):  # each pp=4 stage loaded its part exactly
+        assert result["loaded"], rank
+        for key, value in result["loaded"].items():
+            assert torch.equal(value, saved[key]), (rank, key)
+    whole = _build("gpt")  # one process, no process group: the full state dict
+    state = whole.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    assert set(state) == set(saved)
+    for key, value in state.items():
+        assert torch.equal(value, saved[key]), key
+
+
+def _mismatch_job() -> str:
+    runtime = lamina.init(mesh={"pp": 2})
+    width = 32 if runtime.rank == 0 else 48  # the second stage's rank set another hidden size
+    try:
+        lamina.distribute(_build("gpt", width), "pp", example_inputs=(_ids(0),))
+    except VerificationError as err:
+        return str(err)
+    finally:
+        lamina.shutdown()
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+def test_a_send_whose_recv_does_not_match_is_named_on_every_rank_before_any_transfer() -> None:
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    messages = run_ranks(_mismatch_job, 2, env=env, timeout=240)
+    for message in messages:
+        assert "\n" not in message
+        assert "pipeline_transfers" in message, message
+        assert "send stage 0 -> recv stage 1 (pipeline rank 0 -> 1): [2, 16, 32]" in message
+        assert "[2, 16, 48]" in message
+
+
+def test_the_chain_is_the_transformer_blocks_with_embeddings_before_and_head_after() -> None:
+    model = _build("gpt")
+    x = _ids(0)[:2]
+    chain = find_chain(model, lambda: model(x))
+    assert chain.container == "blocks" and len(chain.blocks) == LAYERS
+    assert chain.prefix == ("tok", "pos") and chain.suffix == ("ln_f", "head")
+    llama = _build("llama")
+    chain = find_chain(llama, lambda: llama(x))
+    assert chain.container == "model.layers" and chain.suffix[-1] == "lm_head"
+    assert chain.entry_shapes[3] == (2, SEQ, 32)
+
+
+def test_the_cut_balances_measured_costs_and_split_points_override_it() -> None:
+    model = _build("gpt")
+    x = _ids(0)[:2]
+    chain = find_chain(model, lambda: model(x))
+    costs = BlockCosts((1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0), rest=0.0)
+    cut = cut_stages(chain, 2, costs)
+    assert [(s.start, s.stop) for s in cut.spans] == [(0, 6), (6, 8)]
+    assert cut.seconds == (6.0, 6.0) and cut.source == "measured"
+    given = cut_stages(chain, 2, costs, ["blocks.4"])
+    assert [(s.start, s.stop) for s in given.spans] == [(0, 4), (4, 8)]
+    assert given.source == "split_points"
+    with pytest.raises(ConfigError, match=r"'blocks\.nine' is not a block of blocks"):
+        cut_stages(chain, 2, costs, ["blocks.nine"])
+    with pytest.raises(ConfigError, match="need at least 9 blocks"):
+        cut_stages(chain, 9, costs)
+
+
+def test_schedules_by_name_and_their_bubble() -> None:
+    assert schedule_kind("1F1B").name == "1f1b"
+    with pytest.raises(ConfigError, match="gpipe"):
+        schedule_kind("dualpipe")
+    assert bubble_fraction(schedule_kind("1f1b"), 4, 4, 1) == pytest.approx(3 / 7)
+    interleaved = bubble_fraction(schedule_kind("interleaved1f1b"), 4, 4, 2)
+    assert interleaved == pytest.approx(3 / 11)
+
+
+def test_a_model_without_a_chain_of_blocks_is_one_line() -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"no nn\.ModuleList or nn\.Sequential") as err:
+        find_chain(model, lambda: model(torch.randn(2, 4)))
+    assert "\n" not in str(err.value)
