@@ -48,9 +48,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
         "--strategy",
-        choices=("dp", "zero3", "hsdp"),
+        choices=("dp", "zero3", "hsdp", "pp"),
         default="dp",
-        help="hsdp shards inside each fast domain of the topology (LAMINA_TOPOLOGY declares one)",
+        help="hsdp shards inside each fast domain of the topology (LAMINA_TOPOLOGY declares "
+        "one); pp cuts the model into --pp stages, replicated over the other ranks",
+    )
+    p.add_argument("--pp", type=int, default=None, help="pp: pipeline stages (default: every rank)")
+    p.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        help="pp: gpipe, 1f1b, interleaved1f1b (2 stages per rank) or zbv (zero bubble)",
+    )
+    p.add_argument(
+        "--pp-microbatches", type=int, default=4, help="pp: microbatches each batch is cut into"
     )
     p.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
@@ -124,6 +134,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
     if args.compile == "step" and args.grad_clip > 0:
         p.error("--compile step captures the step without clipping: add --grad-clip 0")
+    if args.strategy == "pp" and args.compile != "none":
+        p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
+    if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
+        p.error("--batch-size must be a multiple of --pp-microbatches")
     known = [*OWN_CODECS, *codecs()]
     if args.codec not in known:
         p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")
@@ -189,6 +203,33 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
+def init_mesh(args: argparse.Namespace) -> object:
+    """The mesh the strategy runs on: HSDP the topology's inter x intra, pp its stages
+    times the replicas, the others the flat one."""
+    if args.strategy == "hsdp":
+        return "topology"
+    if args.strategy != "pp":
+        return "flat"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    stages = args.pp or world
+    if stages < 2 or world % stages:
+        raise SystemExit(
+            f"train_gpt: --strategy pp needs --pp of at least 2 dividing the {world} rank(s); "
+            "start more ranks or give --pp"
+        )
+    return {"pp": stages, "dp": world // stages} if stages < world else {"pp": stages}
+
+
+def data_replica(rt: lamina.Runtime, strategy: str) -> tuple[int, int]:
+    """(index, count) of the data replicas: under pp the ranks of one pipeline share a
+    batch, so each pipeline is one replica; else each rank is one."""
+    if strategy != "pp":
+        return rt.rank, rt.world_size
+    if "dp" not in rt.mesh.axis_names:
+        return 0, 1
+    return rt.mesh.coordinates()["dp"], rt.mesh.size("dp")
+
+
 def global_mean(value: float, count: int, device: torch.device) -> float:
     """Mean over all ranks of per-rank sums ``value`` of ``count`` items each."""
     totals = torch.tensor([value, float(count)], device=device)
@@ -211,7 +252,10 @@ def evaluate(
     total = 0.0
     for _ in range(args.eval_batches):
         x, y = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)
-        total += float(lm_loss(model(x.to(device)), y.to(device)))
+        if args.strategy == "pp":  # every rank of the pipeline runs its stages
+            total += float(model.evaluate(x.to(device), y.to(device), lm_loss))  # type: ignore[operator]
+        else:
+            total += float(lm_loss(model(x.to(device)), y.to(device)))
     model.train()
     return global_mean(total, args.eval_batches, device)
 
@@ -220,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Train; returns the process exit status."""
     args = parse_args(argv)
     # HSDP places itself on the topology's inter x intra mesh; the others on the flat one
-    with lamina.init(mesh="topology" if args.strategy == "hsdp" else "flat") as rt:
+    with lamina.init(mesh=init_mesh(args)) as rt:  # type: ignore[arg-type]
         started = time.perf_counter()
         # the same initial model on every rank, and every stream a checkpoint records
         # (torch's, the device's, Python's, NumPy's) seeded: two runs save the same states
@@ -233,9 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         n_params = net.num_parameters()
         example = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=rt.device)
         # dp plans its buckets from the captured graph (here at once, from an example)
-        options = (
-            {"example_inputs": (example,), **codec_options(args)} if args.strategy == "dp" else {}
-        )
+        options: dict[str, object] = {}
+        if args.strategy == "dp":
+            options = {"example_inputs": (example,), **codec_options(args)}
+        elif args.strategy == "pp":
+            options = {
+                "example_inputs": (example,),
+                "schedule": args.pp_schedule,
+                "microbatches": args.pp_microbatches,
+            }
         try:
             model = lamina.distribute(net, strategy=args.strategy, **options)
         except ConfigError as exc:
@@ -255,14 +305,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         windows = window_count(corpus.train, args.seq_len)
-        if windows < args.batch_size * rt.world_size:
+        replica, replicas = data_replica(rt, args.strategy)
+        if windows < args.batch_size * replicas:
             raise SystemExit(
                 f"train_gpt: the corpus holds {windows} windows of {args.seq_len} tokens, "
-                f"fewer than one step's {args.batch_size} x {rt.world_size} ranks; raise "
+                f"fewer than one step's {args.batch_size} x {replicas} replicas; raise "
                 "--corpus-mb or lower --batch-size / --seq-len"
             )
         sampler = EpochSampler(
-            windows, args.batch_size, rt.rank, rt.world_size, seed=args.seed, drop_last=True
+            windows, args.batch_size, replica, replicas, seed=args.seed, drop_last=True
         )
         manager = (
             CheckpointManager(args.checkpoint_dir, args.keep, async_save=args.async_save)
@@ -276,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sampler.load_state_dict(manager.extra["data"])
         if rt.is_main:
             print(attempt_line(start, args.max_steps, manager), flush=True)
-        tokens_per_step = args.batch_size * args.seq_len * rt.world_size
+        tokens_per_step = args.batch_size * args.seq_len * replicas
         if rt.is_main:
             print(
                 f"corpus: {corpus.files} stdlib files, {len(corpus.train):,} train / "
@@ -304,6 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 x, y = window_batch(corpus.train, sampler.next_batch(), args.seq_len)
                 if compiled is not None:  # forward to the optimizer's update, one graph
                     loss = compiled(x.to(rt.device), y.to(rt.device))
+                elif args.strategy == "pp":  # the schedule runs the microbatches
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = model.step(x.to(rt.device), y.to(rt.device), lm_loss)  # type: ignore[operator]
+                    if args.grad_clip > 0:
+                        model.clip_grad_norm_(args.grad_clip)  # type: ignore[operator]
+                    optimizer.step()
                 else:
                     loss = lm_loss(model(x.to(rt.device)), y.to(rt.device))
                     optimizer.zero_grad(set_to_none=True)
@@ -335,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                 if step % args.eval_every == 0 or step == args.max_steps:
                     train_loss = global_mean(window_sum, window_n, rt.device)
-                    val_loss = evaluate(model, corpus, args, rt.rank, rt.device)
+                    val_loss = evaluate(model, corpus, args, replica, rt.device)
                     window_sum, window_n = 0.0, 0
                     if rt.is_main:
                         record = {"step": step, "train_loss": train_loss, "val_loss": val_loss}

@@ -283,7 +283,9 @@ def _on_two_hosts() -> dict[str, Any]:
     def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return batch("mlp", k, runtime.rank)
 
-    runs = [(s, o) for s in ("zero3", "hsdp", "dp") for o in ("sgd", "adamw")]
+    # one optimizer each (both are compiled against eager on 2 ranks above): every
+    # strategy x optimizer pair here cost 190 s of the test command's two cores
+    runs = [("zero3", "sgd"), ("hsdp", "adamw"), ("dp", "adamw")]
     return {f"{s}/{o}": _strategy_against_eager(s, o, initial, data, F.mse_loss) for s, o in runs}
 
 

@@ -107,6 +107,23 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+def test_train_gpt_pipelined_with_1f1b_loss_falls_and_prints_the_cut() -> None:
+    tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
+    tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
+    result = torchrun(
+        "train_gpt.py", *tiny, "--corpus-mb", "0.5", "--strategy", "pp", "--pp-schedule", "1f1b"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pipeline: 1f1b, 2 stage(s) on 2 rank(s)" in result.stdout, result.stdout
+    assert "stage 1 (pipeline rank 1): blocks.1..blocks.1 + suffix" in result.stdout
+    done = re.search(r"done: 12 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
+    assert done, result.stdout
+    first, last = map(float, done.groups())
+    assert last < first - 1.0, result.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_train_gpt_with_hsdp_on_two_hosts_of_two_loss_falls(tmp_path: Path) -> None:
     topology = two_hosts_of_two()
     path = tmp_path / "two_hosts.json"

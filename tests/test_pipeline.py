@@ -111,8 +111,9 @@ def _save(name: str, directory: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _load(name: str, directory: str) -> dict[str, torch.Tensor]:
-    """A fresh pipelined model (other weights) loaded from ``directory``."""
+def _load(name: str, directory: str) -> dict[str, Any]:
+    """A fresh pipelined model (other weights) loaded from ``directory``: its state, and
+    what calling it directly says."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -121,7 +122,12 @@ def _load(name: str, directory: str) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(model, state)
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+    loaded = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    try:
+        model(_ids(1))
+    except ConfigError as err:
+        return {"loaded": loaded, "direct_call": str(err)}
+    return {"loaded": loaded, "direct_call": "no error"}
 
 
 #: (model, schedule, optimizer): each schedule on both models over the two layouts.
@@ -150,7 +156,7 @@ def _pp_dp_job(directory: str) -> dict[str, Any]:
 def _pp4_job(directory: str) -> dict[str, Any]:
     runtime = lamina.init(mesh={"pp": 4})
     out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP4_CASES}
-    out["loaded"] = _load("gpt", directory)
+    out |= _load("gpt", directory)
     lamina.shutdown()
     return out
 
@@ -221,6 +227,8 @@ def test_a_checkpoint_saved_under_pp2_by_dp2_loads_exactly_under_pp4_and_in_one_
         assert result["loaded"], rank
         for key, value in result["loaded"].items():
             assert torch.equal(value, saved[key]), (rank, key)
+    for result in pp4_results:
+        assert result["direct_call"].startswith("a pipelined model runs whole steps: call loss")
     whole = _build("gpt")  # one process, no process group: the full state dict
     state = whole.state_dict()
     dcp.load(state, checkpoint_id=str(checkpoint_dir))

@@ -58,7 +58,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
@@ -96,12 +100,19 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     """``get_state_dict``'s model and optimizer state; a model whose parameters are split
     (tensor parallelism) gives its optimizer state as whole-tensor DTensors too, as its
     parameters are (``optimizer_state_to_global``), so a resume on another layout cuts
-    every piece right."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    every piece right. A model may name the ``StateDictOptions`` its checkpoints use
+    (``checkpoint_state_options``: a pipeline stage keys its optimizer's groups by
+    parameter name, since the stages' groups differ)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
     to_global = getattr(model, "optimizer_state_to_global", None)
     if to_global is not None:
         optim_state = to_global(optim_state)
     return model_state, optim_state
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions | None:
+    options = getattr(model, "checkpoint_state_options", None)
+    return options if isinstance(options, StateDictOptions) else None
 
 
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -153,6 +164,15 @@ def tensor_specs(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]
         if isinstance(value, torch.Tensor):
             out[name] = (tuple(value.shape), str(value.dtype).removeprefix("torch."))
     return out
+
+
+def job_tensor_specs(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The model's tensors over every rank (collective): a pipeline stage holds only its
+    part of the model, and the checkpoint holds them all."""
+    merged: dict[str, tuple[tuple[int, ...], str]] = {}
+    for specs in _gather(tensor_specs(state)):
+        merged.update(specs)
+    return dict(sorted(merged.items()))
 
 
 class CheckpointManager:
@@ -250,7 +270,7 @@ class CheckpointManager:
             work=work,
             final=final,
             state={"model": model_state, "optim": optim_state},
-            tensors=tensor_specs(model_state),
+            tensors=job_tensor_specs(model_state),
             plan=getattr(model, "execution_plan", None),
         )
         if not self.async_save:
@@ -370,7 +390,7 @@ class CheckpointManager:
         directory = step_dir(self.root, steps[-1])
         manifest = read_manifest(directory)
         model_state, optim_state = _state_dicts(model, optimizer)
-        specs = tensor_specs(model_state)
+        specs = job_tensor_specs(model_state)
         prefix = legacy.wrapper_prefix(manifest.tensors, specs)
         own_names = dataclasses.replace(manifest, tensors=legacy.strip(manifest.tensors, prefix))
         difference = first_model_difference(own_names, specs, directory)
@@ -393,7 +413,11 @@ class CheckpointManager:
         to_local = getattr(model, "optimizer_state_to_local", None)
         optim_loaded = to_local(loaded["optim"]) if to_local is not None else loaded["optim"]
         set_state_dict(
-            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=optim_loaded
+            model,
+            optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=optim_loaded,
+            options=_options(model),
         )
         same_world = manifest.world_size == world
         own = directory / f"rank-{rank if rank < manifest.world_size else 0}.pt"

@@ -146,7 +146,8 @@ class PipelineStrategy(Strategy):
             groups = [tuple(p[r] for r in pranks) for p in layout.pipelines]
             group = _group_for(groups, layout.rank) if len(pranks) > 1 else None
             if layout.pipeline_rank in pranks:
-                ties.append(TiedWeight(name, named[name], group))
+                first = layout.pipeline_rank == pranks[0]
+                ties.append(TiedWeight(name, named[name], group, counted_here=first))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         engine = PipelineEngine(
             runners, layout, options.microbatches, device, pipeline_group, replica_group,

@@ -27,6 +27,8 @@ class TiedWeight:
     name: str
     param: nn.Parameter
     group: dist.ProcessGroup | None
+    #: Whether this rank counts it in the gradient norm (the first stage holding it).
+    counted_here: bool = True
 
 
 @dataclass
@@ -59,12 +61,7 @@ class PipelineEngine:
         """One training step's forward and backward over the microbatches; the mean
         microbatch loss (on every rank). Gradients are left for the user's optimizer."""
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        batch = _batch_size(args, input_kwargs or {})
-        if batch % self.microbatches:
-            raise ConfigError(
-                f"model.step: a batch of {batch} does not split into {self.microbatches} "
-                "microbatches; make the batch a multiple of microbatches="
-            )
+        self._check_batch("model.step", args, input_kwargs or {})
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
         kwargs = join_inputs(args, input_kwargs or {})
@@ -78,6 +75,51 @@ class PipelineEngine:
         self._average_replicas()
         self.steps += 1
         return self._loss(losses)
+
+    def evaluate(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        input_kwargs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """The mean microbatch loss of one batch, forward only: no graph, no gradients."""
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        self._check_batch("model.evaluate", args, input_kwargs or {})
+        schedule = self._schedule(loss_fn)
+        losses: list[torch.Tensor] = []
+        kwargs = join_inputs(args, input_kwargs or {})
+        with torch.no_grad():
+            if self.holds_last:
+                schedule.eval(**kwargs, target=targets, losses=losses)
+            else:
+                schedule.eval(**kwargs)
+        return self._loss(losses)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every stage's gradients so that the whole model's gradient norm (as
+        ``torch.nn.utils.clip_grad_norm_`` computes it in one process, a tied weight
+        once) is at most ``max_norm``; that norm before scaling."""
+        skipped = {id(t.param) for t in self.ties if not t.counted_here}
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.params:
+            if p.grad is not None and id(p) not in skipped:
+                squares += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.pipeline_group)
+        total = squares.sqrt()
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return total
+
+    def _check_batch(self, caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        batch = _batch_size(args, kwargs)
+        if batch % self.microbatches:
+            raise ConfigError(
+                f"{caller}: a batch of {batch} does not split into {self.microbatches} "
+                "microbatches; make the batch a multiple of microbatches="
+            )
 
     def _schedule(self, loss_fn: LossFn) -> Any:
         key = id(loss_fn)

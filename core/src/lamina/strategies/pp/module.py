@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
@@ -35,6 +36,10 @@ class PipelinedModule(nn.Module):
 
     lamina_pp: Pipelining
 
+    #: Checkpoints key the optimizer's groups by parameter name: each stage's groups hold
+    #: other parameters, so groups by position would collide across stages in DCP.
+    checkpoint_state_options = StateDictOptions(flatten_optimizer_state_dict=True)
+
     @property
     def execution_plan(self) -> ExecutionPlan:
         """The step's plan: every stage's computes and transfers, the gradient sums."""
@@ -49,6 +54,25 @@ class PipelinedModule(nn.Module):
     def stages(self) -> tuple[int, ...]:
         """The pipeline stages this rank runs."""
         return tuple(r.span.index for r in self.lamina_pp.engine.runners)
+
+    @property
+    def preflight(self) -> PreflightReport | None:
+        """The pre-flight check's report (None when verification was off)."""
+        return self.lamina_pp.preflight
+
+    def evaluate(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        input_kwargs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """The mean microbatch loss of one batch, forward only, on every rank."""
+        return self.lamina_pp.engine.evaluate(inputs, targets, loss_fn, input_kwargs)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the whole model's gradient norm (over every stage) to ``max_norm``."""
+        return self.lamina_pp.engine.clip_grad_norm_(max_norm)
 
     def step_summary(self) -> str:
         """The cut, one stage per line."""

@@ -69,6 +69,8 @@ class _Running:
     def __init__(self) -> None:
         self.span: StageSpan | None = None
         self.received: torch.Tensor | None = None
+        #: Whether the step records a graph (False: an evaluation, no backward).
+        self.grad = True
 
 
 class StageRunner(nn.Module):
@@ -104,6 +106,7 @@ class StageRunner(nn.Module):
         running.span = self.span
         running.received = received[0] if received else None
         grad_was = torch.is_grad_enabled()
+        running.grad = grad_was
         try:
             # the prefix of a later stage only supplies side inputs: no graph for it
             torch.set_grad_enabled(grad_was and self.span.is_first)
@@ -188,7 +191,7 @@ def _gate(first: nn.Module, last: nn.Module, span: StageSpan, running: _Running)
     def enter(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if running.span is not span:
             return None
-        torch.set_grad_enabled(True)
+        torch.set_grad_enabled(running.grad)
         if running.received is None:
             return None
         return (running.received, *args[1:]), kwargs
