@@ -41,18 +41,22 @@ def device_backend() -> str:
     return usable_requested_backend()
 
 
-#: The slowest modules, slowest first (seconds of one module's tests on 2 cores, measured
-#: in tests(cpu) on 2026-12-01: emulate 255, checkpoint 149, checkpoint_cli 61, ...).
+#: The slowest modules, slowest first (seconds of one module's tests alone on 2 cores:
+#: compiled_step 334, emulate 255, checkpoint 149, tensor_parallel 117, pipeline 71,
+#: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-03).
 #: pytest-xdist hands whole modules (``--dist loadfile``) to its workers in collection
 #: order (``--no-loadscope-reorder``, noxfile.py), so these start first and the short
 #: modules fill the gaps: a long module started last would end the session alone. The
 #: emulator's tests mostly wait (shaped links, timeouts, a failed host's grace), which the
 #: other workers' tests fill. A module missing here only runs later, in file order.
 SLOWEST_FIRST = (
+    "test_compiled_step.py",
     "test_emulate.py",
     "test_checkpoint.py",
-    "test_checkpoint_cli.py",
+    "test_tensor_parallel.py",
+    "test_pipeline.py",
     "test_finetuning.py",
+    "test_checkpoint_cli.py",
     "test_examples.py",
     "test_cli_plan.py",
     "test_cli_run.py",
