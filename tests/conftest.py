@@ -50,9 +50,9 @@ def device_backend() -> str:
 #: emulator's tests mostly wait (shaped links, timeouts, a failed host's grace), which the
 #: other workers' tests fill. A module missing here only runs later, in file order.
 SLOWEST_FIRST = (
-    "test_compiled_step.py",
     "test_emulate.py",
     "test_checkpoint.py",
+    "test_compiled_step.py",
     "test_tensor_parallel.py",
     "test_pipeline.py",
     "test_finetuning.py",

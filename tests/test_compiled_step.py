@@ -326,7 +326,7 @@ def _language_models() -> dict[str, Any]:
     runtime = lamina.init()
     torch.manual_seed(runtime.rank)
     gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, dropout=0.2))
-    llama = tiny_llama(runtime.rank)
+    llama = tiny_llama(runtime.rank, num_hidden_layers=1)  # one layer: its ops, half the trace
 
     def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return batch("gpt", k, runtime.rank)

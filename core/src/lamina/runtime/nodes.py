@@ -162,7 +162,9 @@ class Free:
 @dataclass(frozen=True)
 class Transfer:
     """A point-to-point send or recv between pipeline stages: ``what`` of ``microbatch``
-    (``dtype`` x ``numel``) to or from global rank ``peer``, for ``stage``."""
+    (``dtype`` x ``numel``) to or from pipeline rank ``peer`` (the position along the
+    ``pp`` axis holding the other stage; every pipeline of the mesh sends alike), for
+    ``stage``."""
 
     peer: int
     stage: int
