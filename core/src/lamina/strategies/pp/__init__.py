@@ -122,13 +122,13 @@ class PipelineStrategy(Strategy):
             plan,
             (("pipeline_cut", tuple(lines)),),
             SetupBroadcast(state, 0, None),  # the whole model, before it is cut
-            (chain, cut, layout, options, placement, tie_facts, lines),
+            (chain, cut, layout, options, tie_facts, lines),
             leading_manifest=(("pipeline_transfers", tuple(_transfer_lines(chain, cut, layout))),),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model pruned to this rank's stages, with ``step`` running the schedule."""
-        chain, cut, layout, options, _placement, tie_facts, lines = planned.inputs
+        chain, cut, layout, options, tie_facts, lines = planned.inputs
         assert isinstance(chain, BlockChain) and isinstance(cut, StageCut)
         assert isinstance(layout, PipelineLayout)
         model = planned.module
