@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lamina.bench.collectives import OPS, parse_size, sweep_sizes
+from lamina.bench.sweep_options import OPS, parse_size, sweep_sizes
 from lamina.cli.main import main as lamina_main
 from lamina.errors import ConfigError
 from lamina.testing.cli import run_lamina

@@ -15,15 +15,16 @@ from lamina.testing.cli import run_lamina
 
 RANK_SCRIPT = """\
 import os, sys
-import torch
-import torch.distributed as dist
-import lamina
 
 
 def main():
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if "--fail-first-attempt" in sys.argv and restarts == 0:
-        sys.exit(3)
+        sys.exit(3)  # before torch's import: a failed attempt costs no CPU
+    import torch
+    import torch.distributed as dist
+    import lamina
+
     with lamina.init() as rt:
         value = torch.tensor([float(rt.rank + 1)], device=rt.device)
         dist.all_reduce(value)

@@ -13,6 +13,8 @@ cycle. Offences name their file and line.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,6 +287,45 @@ def test_no_runtime_import_cycle() -> None:
         for cycle in runtime_cycles(modules)
     ]
     assert cycles == [], "run-time import cycles:\n" + "\n".join(cycles)
+
+
+#: What ``lamina`` imports to parse a command line and run the subcommands that need no
+#: tensors: the launcher a job's every host runs (emulate), the readers of traces and
+#: checkpoints, and the front of plan, verify, bench and topo (their ranks import torch).
+TORCH_FREE = (
+    "lamina",
+    "lamina.cli.main",
+    "lamina.cli.emulate",
+    "lamina.cli.trace",
+    "lamina.cli.checkpoint",
+    "lamina.cli.plan",
+    "lamina.cli.bench",
+    "lamina.cli.topo",
+    "lamina.errors",
+)
+
+
+def test_the_command_line_and_its_launchers_start_without_torch() -> None:
+    # each import of torch costs a process ~3 s of CPU; `lamina emulate` and the per-host
+    # launchers of a job must not pay it for nothing
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}: importlib.import_module(name)\n"
+        "import lamina.cli.main as m\n"
+        "m.build_parser().parse_args(['emulate', '--hosts', '2', '--link', '1gbit', '--', 'x.py'])\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_the_package_still_offers_its_public_names() -> None:
+    assert callable(lamina.distribute) and callable(lamina.init)
+    assert issubclass(lamina.LaminaError, Exception)
+    assert set(lamina.__all__) <= set(dir(lamina))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        lamina.nothing  # noqa: B018
 
 
 #: The strategy modules that see the session (lamina.distribute's own sequence, composed

@@ -7,6 +7,11 @@ import os
 
 from lamina.errors import ConfigError
 
+#: Environment variable that names the backend to use, overriding priorities.
+BACKEND_ENV = "LAMINA_BACKEND"
+#: Seconds the pre-flight check waits for every rank to arrive (``lamina verify --timeout``).
+VERIFY_TIMEOUT_ENV = "LAMINA_VERIFY_TIMEOUT"
+
 
 def positive_seconds(name: str, *, example: float) -> float | None:
     """``$name`` as a positive, finite number of seconds; None when unset or empty."""

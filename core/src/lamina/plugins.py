@@ -15,13 +15,11 @@ from lamina import hookspecs
 from lamina.device.backend import Availability, Backend
 from lamina.device.kernels import KernelRegistry, builtin_registry
 from lamina.device.topology import HostTopology
+from lamina.envvars import BACKEND_ENV
 from lamina.errors import BackendNotFoundError, BackendUnavailableError
 
 #: A plugin-registered item (a strategy, a codec).
 T = TypeVar("T")
-
-#: Environment variable that names the backend to use, overriding priorities.
-BACKEND_ENV = "LAMINA_BACKEND"
 
 PluginStatus = Literal["loaded", "failed"]
 

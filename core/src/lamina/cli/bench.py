@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lamina.bench.collectives import add_sweep_arguments, check_sweep_arguments
+from lamina.bench.sweep_options import add_sweep_arguments, check_sweep_arguments
 from lamina.cli.run import add_nproc_argument, check_backend, launch_module
-from lamina.plugins import BACKEND_ENV
+from lamina.envvars import BACKEND_ENV
 
 #: The module every rank runs.
 RANK_MODULE = "lamina.bench.collectives"

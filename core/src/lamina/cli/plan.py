@@ -26,16 +26,16 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lamina.cli.rank_runner import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
+from lamina.cli.exit_status import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
 from lamina.cli.run import LaunchPlan, check_backend, launch
+from lamina.envvars import BACKEND_ENV, VERIFY_TIMEOUT_ENV
 from lamina.errors import ConfigError
-from lamina.plugins import BACKEND_ENV
 from lamina.runtime import ExecutionPlan, explain
-from lamina.simulate import load_cluster, predict
-from lamina.simulate.cluster import parse_mesh_option, with_mesh
-from lamina.verify.preflight import TIMEOUT_ENV
+
+if TYPE_CHECKING:
+    from lamina.simulate.cluster import Cluster
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -93,10 +93,13 @@ SIMULATE_RANKS = 2
 def plan_command(args: argparse.Namespace) -> int:
     """``lamina plan``: build the plan without training and print it (or, with
     ``--simulate``, predict it on a declared cluster)."""
-    cluster = None
+    cluster: Cluster | None = None
     if args.mesh is not None and args.simulate is None:
         raise ConfigError("--mesh sizes the simulated mesh; add --simulate CLUSTER.json")
     if args.simulate is not None:  # a bad cluster file fails before the script starts
+        from lamina.simulate import load_cluster
+        from lamina.simulate.cluster import parse_mesh_option, with_mesh
+
         cluster = load_cluster(args.simulate)
         if args.mesh is not None:  # overrides the file's "mesh"
             cluster = with_mesh(cluster, parse_mesh_option(args.mesh), "--mesh", "mesh")
@@ -116,6 +119,8 @@ def plan_command(args: argparse.Namespace) -> int:
     first = plans[0]
     differing = [r for r, p in enumerate(plans) if p.fingerprint != first.fingerprint]
     if cluster is not None:
+        from lamina.simulate import predict
+
         prediction = predict(first, cluster)
         if args.json:
             print(json.dumps(prediction.to_json(), indent=2, sort_keys=True))
@@ -143,7 +148,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def verify_command(args: argparse.Namespace) -> int:
     """``lamina verify``: only the pre-flight check; OK or the difference."""
-    env = {TIMEOUT_ENV: str(args.timeout)} if args.timeout is not None else {}
+    env = {VERIFY_TIMEOUT_ENV: str(args.timeout)} if args.timeout is not None else {}
     status = _launch(args, ["--stop", "verify"], env)
     if status == 0:
         return 0
@@ -187,7 +192,11 @@ def add_plan_parsers(subparsers: Any) -> None:
         "the first difference between ranks.",
     )
     verify.add_argument(
-        "--timeout", type=float, default=None, metavar="S", help=f"arrival timeout ({TIMEOUT_ENV})"
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"arrival timeout ({VERIFY_TIMEOUT_ENV})",
     )
     _add_common(verify)
     verify.set_defaults(func=verify_command)

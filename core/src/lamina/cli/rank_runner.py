@@ -24,14 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from lamina.cli.exit_status import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
 from lamina.errors import ConfigError, VerificationError
 from lamina.runtime import ExecutionPlan
 from lamina.strategies.preflight import StopBeforeFirstCollective, request_stop
-
-#: Exit status of a ``lamina verify`` rank that found a difference.
-VERIFY_FAILED_STATUS = 3
-#: Exit status of a rank whose script ended without building an execution plan.
-NO_PLAN_STATUS = 4
 
 
 def write_plan(plan: ExecutionPlan, folder: str, rank: int) -> Path:

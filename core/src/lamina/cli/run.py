@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lamina.envvars import BACKEND_ENV
 from lamina.errors import ConfigError
 from lamina.launch import NodeLaunch, detect
-from lamina.plugins import BACKEND_ENV
 
 #: The subcommand's own flag; everything else belongs to torchrun.
 BACKEND_FLAG = "--backend"

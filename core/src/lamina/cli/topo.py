@@ -27,7 +27,7 @@ RANK_MODULE = "lamina.cli.topo"
 
 
 def _size(text: str) -> int:
-    from lamina.bench.collectives import parse_size
+    from lamina.bench.sweep_options import parse_size
 
     return parse_size(text)
 

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from lamina.envvars import positive_seconds
+from lamina.envvars import VERIFY_TIMEOUT_ENV, positive_seconds
 from lamina.errors import ConfigError, VerificationError
 from lamina.verify.diff import find_differences, format_mismatch
 from lamina.verify.manifest import Manifest
 
 logger = logging.getLogger("lamina.verify")
 
-TIMEOUT_ENV = "LAMINA_VERIFY_TIMEOUT"
+TIMEOUT_ENV = VERIFY_TIMEOUT_ENV
 DEFAULT_TIMEOUT = 120.0
 GRACE = 10.0
 """Seconds a rank waits for a verdict another rank is about to write."""
