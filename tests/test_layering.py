@@ -312,7 +312,8 @@ def test_the_command_line_and_its_launchers_start_without_torch() -> None:
         "import importlib, sys\n"
         f"for name in {TORCH_FREE!r}: importlib.import_module(name)\n"
         "import lamina.cli.main as m\n"
-        "m.build_parser().parse_args(['emulate', '--hosts', '2', '--link', '1gbit', '--', 'x.py'])\n"
+        "m.build_parser().parse_args(\n"
+        "    ['emulate', '--hosts', '2', '--link', '1gbit', '--', 'x.py'])\n"
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
