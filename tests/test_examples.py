@@ -1,16 +1,25 @@
-"""The portable examples train for real on two gloo ranks under torchrun."""
+"""The portable examples train for real on gloo ranks: the MLP and the GPT example under
+torchrun, as a user starts them; the GPT example's other strategies on the test harness's
+ranks, which carry torchrun's environment but are forked with torch already imported (a
+torchrun launch imports torch in its agent and in every rank: ~2.5 s of CPU each)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lamina.testing import run_ranks
 from topologies_for_tests import two_hosts_of_two
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -43,6 +52,38 @@ def torchrun(
         timeout=timeout,
         check=False,
         env={**os.environ, **(env or {})},
+    )
+
+
+def _example_rank(script: str, argv: list[str]) -> dict[str, Any]:
+    """One rank of ``examples/<script>``, run by its ``main(argv)``: its exit status and
+    what it printed (warnings shown as a plain ``python`` process shows them)."""
+    sys.path.insert(0, str(EXAMPLES))
+    example = importlib.import_module(Path(script).stem)
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("default")
+        code = example.main(argv)
+    return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def on_harness_ranks(
+    script: str,
+    *args: str,
+    ranks: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 100,
+) -> subprocess.CompletedProcess[str]:
+    """``examples/<script>`` on ``ranks`` harness ranks, read as a torchrun launch would
+    be: rank 0's exit status and output, every rank's errors."""
+    results = run_ranks(_example_rank, ranks, args=(script, list(args)), env=env, timeout=timeout)
+    stderr = "".join(r["stderr"] for r in results)
+    return subprocess.CompletedProcess(
+        [script, *args], results[0]["returncode"], results[0]["stdout"], stderr
     )
 
 
@@ -87,7 +128,9 @@ def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
     tiny = ["--max-steps", "12", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "6", "--eval-batches", "2"]
     tiny += ["--compile", "step", "--compile-backend", "aot_eager", "--grad-clip", "0"]
-    result = torchrun("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3", timeout=360)
+    result = on_harness_ranks(
+        "train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3", timeout=360
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # the scheduler saw a step
     done = re.search(r"done: 12 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
@@ -101,7 +144,7 @@ def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
 def test_train_gpt_with_zero3_loss_falls() -> None:
     tiny = ["--max-steps", "20", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "10", "--eval-batches", "2"]
-    result = torchrun("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3")
+    result = on_harness_ranks("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3")
     assert result.returncode == 0, result.stderr[-3000:]
     done = re.search(r"done: 20 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert done, result.stdout
@@ -114,7 +157,7 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
 def test_train_gpt_pipelined_with_1f1b_loss_falls_and_prints_the_cut() -> None:
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
     tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
-    result = torchrun(
+    result = on_harness_ranks(
         "train_gpt.py", *tiny, "--corpus-mb", "0.5", "--strategy", "pp", "--pp-schedule", "1f1b"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -134,7 +177,7 @@ def test_train_gpt_with_hsdp_on_two_hosts_of_two_loss_falls(tmp_path: Path) -> N
     path.write_text(json.dumps(topology))
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
     tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
-    result = torchrun(
+    result = on_harness_ranks(
         "train_gpt.py",
         *tiny,
         "--corpus-mb",
