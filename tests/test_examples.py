@@ -1,25 +1,19 @@
 """The portable examples train for real on gloo ranks: the MLP and the GPT example under
 torchrun, as a user starts them; the GPT example's other strategies on the test harness's
-ranks, which carry torchrun's environment but are forked with torch already imported (a
-torchrun launch imports torch in its agent and in every rank: ~2.5 s of CPU each)."""
+ranks (``examples_on_ranks.py``: torchrun's environment, torch already imported)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from lamina.testing import run_ranks
+from examples_on_ranks import run_example
 from topologies_for_tests import two_hosts_of_two
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -52,38 +46,6 @@ def torchrun(
         timeout=timeout,
         check=False,
         env={**os.environ, **(env or {})},
-    )
-
-
-def _example_rank(script: str, argv: list[str]) -> dict[str, Any]:
-    """One rank of ``examples/<script>``, run by its ``main(argv)``: its exit status and
-    what it printed (warnings shown as a plain ``python`` process shows them)."""
-    sys.path.insert(0, str(EXAMPLES))
-    example = importlib.import_module(Path(script).stem)
-    out, err = io.StringIO(), io.StringIO()
-    with (
-        contextlib.redirect_stdout(out),
-        contextlib.redirect_stderr(err),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("default")
-        code = example.main(argv)
-    return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-
-
-def on_harness_ranks(
-    script: str,
-    *args: str,
-    ranks: int = 2,
-    env: dict[str, str] | None = None,
-    timeout: float = 100,
-) -> subprocess.CompletedProcess[str]:
-    """``examples/<script>`` on ``ranks`` harness ranks, read as a torchrun launch would
-    be: rank 0's exit status and output, every rank's errors."""
-    results = run_ranks(_example_rank, ranks, args=(script, list(args)), env=env, timeout=timeout)
-    stderr = "".join(r["stderr"] for r in results)
-    return subprocess.CompletedProcess(
-        [script, *args], results[0]["returncode"], results[0]["stdout"], stderr
     )
 
 
@@ -128,7 +90,7 @@ def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
     tiny = ["--max-steps", "12", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "6", "--eval-batches", "2"]
     tiny += ["--compile", "step", "--compile-backend", "aot_eager", "--grad-clip", "0"]
-    result = on_harness_ranks(
+    result = run_example(
         "train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3", timeout=360
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -144,7 +106,7 @@ def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
 def test_train_gpt_with_zero3_loss_falls() -> None:
     tiny = ["--max-steps", "20", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "10", "--eval-batches", "2"]
-    result = on_harness_ranks("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3")
+    result = run_example("train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3")
     assert result.returncode == 0, result.stderr[-3000:]
     done = re.search(r"done: 20 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert done, result.stdout
@@ -157,7 +119,7 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
 def test_train_gpt_pipelined_with_1f1b_loss_falls_and_prints_the_cut() -> None:
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
     tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
-    result = on_harness_ranks(
+    result = run_example(
         "train_gpt.py", *tiny, "--corpus-mb", "0.5", "--strategy", "pp", "--pp-schedule", "1f1b"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -177,7 +139,7 @@ def test_train_gpt_with_hsdp_on_two_hosts_of_two_loss_falls(tmp_path: Path) -> N
     path.write_text(json.dumps(topology))
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
     tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
-    result = on_harness_ranks(
+    result = run_example(
         "train_gpt.py",
         *tiny,
         "--corpus-mb",

@@ -14,8 +14,9 @@ plus alignment). dp must also leave the model its own class and state-dict keys.
 and hsdp make one unit per decoder layer (``min_unit_numel=0``). One module-scoped 2-rank
 job runs every 2-rank case, one 4-rank job on a declared 2 x 2 topology the hsdp ones;
 every case reports its own error, so each test fails for its case alone. Last,
-``examples/finetune_lora.py`` trains under ``lamina run`` and its adapters load back
-with ``peft.PeftModel.from_pretrained``.
+``examples/finetune_lora.py`` trains on the harness's ranks (``examples_on_ranks.py``:
+torchrun's environment, transformers and peft already imported) and its adapters load
+back with ``peft.PeftModel.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import lamina
+from examples_on_ranks import run_example
 from lamina.testing import run_ranks
-from lamina.testing.cli import run_lamina
 from models_for_tests import full_params, tiny_llama  # also puts examples/ on sys.path
 from topologies_for_tests import two_hosts_of_two
 
@@ -61,7 +62,6 @@ pytestmark = [
     ),
 ]
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: fp32 rounding order only: two ranks sum in one order (a + b == b + a), four in another
 #: than DDP's; a lost or doubled gradient contribution moves a parameter by >= 1e-3 here.
 TOLERANCE = 1e-6
@@ -395,7 +395,7 @@ EXAMPLE_ARGS += ("--eval-batches", "2", "--lr", "5e-2")
 def test_finetune_example_trains_and_its_adapters_load_with_peft(
     tmp_path: Path, strategy: str
 ) -> None:
-    """The example under ``lamina run`` (2 ranks; hsdp 4 on 2 x 2) with accumulation and
+    """The example on 2 ranks (hsdp 4 on 2 x 2) with accumulation and
     checkpointing (zero3/hsdp: also meta init): the validation loss falls, and the saved
     adapters, loaded back onto the saved base, give a lower loss than the base alone."""
     ranks, env = 2, {}
@@ -407,17 +407,15 @@ def test_finetune_example_trains_and_its_adapters_load_with_peft(
         topology.write_text(json.dumps(two_hosts_of_two()))
         ranks, env = 4, {"LAMINA_TOPOLOGY": str(topology)}
     output = tmp_path / "adapters"
-    result = run_lamina(
-        "run",
-        "--nproc-per-node",
-        str(ranks),
-        str(EXAMPLES / "finetune_lora.py"),
+    result = run_example(
+        "finetune_lora.py",
         *EXAMPLE_ARGS,
         *extra,
         "--strategy",
         strategy,
         "--output",
         str(output),
+        ranks=ranks,
         env=env,
         timeout=200,
     )
