@@ -17,12 +17,18 @@ slowest rank):
 - ``ddp``: torch ``DistributedDataParallel``;
 - ``torch-pp-1f1b``: torch.distributed.pipelining by hand: the blocks split 4 + 4 (the
   head its own copy of the embedding, as a hand split gives it), ``Schedule1F1B``, each
-  stage in ``DistributedDataParallel`` over its host's ranks.
+  stage in ``DistributedDataParallel`` over its host's ranks;
+- ``pp-1f1b-untied``: lamina's 1F1B on the model the hand split trains (the head its own
+  copy of the embedding, so no tied gradient crosses the link): the like-for-like
+  comparison with ``torch-pp-1f1b``. The tied model's ``pp-1f1b`` also sums the tied
+  weight's gradient across the stages (1/R of it per pipeline, R = 2 pipelines).
 
 Reports step time, the bytes each host sent over its link per step (its interface's
-counter), and for the pipelines the bubble: the measured fraction
-``1 - m * t_stage / step`` (``t_stage``: the slowest stage's forward + backward of one
-microbatch, timed alone) against the schedule's formula. Needs root::
+counter), and for lamina's pipelines the bubble: the measured fraction
+``1 - m * t_stage / t_schedule`` (``t_stage``: the slowest stage's forward + backward of
+one microbatch, timed alone; ``t_schedule``: the schedule's part of the step, before the
+gradient sync, ``model.lamina_pp.engine.last_phases``) against the schedule's formula,
+and the same over the whole step. Needs root::
 
     python benchmarks/emulated_pipeline.py     # writes results/emulated_pipeline.json
 """
@@ -49,8 +55,9 @@ from emulated_training import INNER_ENV, run_emulated
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _gpt_model import GPT, GPTConfig, lm_loss
 
-VARIANTS = ("pp-1f1b", "pp-zbv", "dp", "hsdp", "ddp", "torch-pp-1f1b")
-PIPELINES = ("pp-1f1b", "pp-zbv", "torch-pp-1f1b")
+VARIANTS = ("pp-1f1b", "pp-zbv", "dp", "hsdp", "ddp", "torch-pp-1f1b", "pp-1f1b-untied")
+PIPELINES = ("pp-1f1b", "pp-zbv", "torch-pp-1f1b", "pp-1f1b-untied")
+LAMINA_PIPELINES = ("pp-1f1b", "pp-zbv", "pp-1f1b-untied")
 VOCAB, SEQ, WIDTH, LAYERS, HEADS = 8192, 64, 512, 8, 8
 GLOBAL_BATCH, MICROBATCHES = 16, 4
 
@@ -58,6 +65,13 @@ GLOBAL_BATCH, MICROBATCHES = 16, 4
 def build() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(VOCAB, SEQ, WIDTH, LAYERS, HEADS))
+
+
+def build_untied() -> GPT:
+    """The GPT with the head its own copy of the embedding (what the hand split trains)."""
+    model = build()
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    return model
 
 
 def batch(step: int, replica: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,11 +166,11 @@ def run(args: Any) -> None:
     example = batch(0, 0, per_pipeline)[0]
     models: dict[str, Any] = {}
     for variant in VARIANTS:
-        if variant.startswith("pp-"):
-            schedule = variant.removeprefix("pp-")
+        if variant in LAMINA_PIPELINES:
+            schedule = variant.removeprefix("pp-").removesuffix("-untied")
             models[variant] = lamina.distribute(
-                build(), "pp", example_inputs=(example,), schedule=schedule,
-                microbatches=MICROBATCHES,
+                build_untied() if variant.endswith("-untied") else build(), "pp",
+                example_inputs=(example,), schedule=schedule, microbatches=MICROBATCHES,
             )  # fmt: skip
         elif variant in ("dp", "hsdp"):
             models[variant] = lamina.distribute(build(), variant)
@@ -173,6 +187,7 @@ def run(args: Any) -> None:
         for v, m in models.items()
     }
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    scheduled: dict[str, list[float]] = {v: [] for v in LAMINA_PIPELINES}
     sent: dict[str, list[int]] = {v: [] for v in VARIANTS}
     step = 0
     for round_ in range(args.rounds + 1):  # round 0 warms up
@@ -188,7 +203,7 @@ def run(args: Any) -> None:
                 dist.barrier()
                 before = _tx_bytes()
                 start = time.perf_counter()
-                if variant.startswith("pp-"):
+                if variant in LAMINA_PIPELINES:
                     model.step(x, y, lm_loss)
                 elif variant == "torch-pp-1f1b":
                     model.step(x, y)
@@ -201,13 +216,17 @@ def run(args: Any) -> None:
                 if round_ > 0:
                     times[variant].append(elapsed)
                     sent[variant].append(_tx_bytes() - before)
+                    if variant in LAMINA_PIPELINES:
+                        phases = model.lamina_pp.engine.last_phases
+                        scheduled[variant].append(phases.schedule_s)
         if runtime.is_main:
             print(f"  round {round_}/{args.rounds} done", flush=True)
     medians = {v: statistics.median(times[v]) for v in VARIANTS}
     host_bytes = {v: statistics.median(sent[v]) if coords["intra"] == 0 else 0 for v in VARIANTS}
-    stage_s = {v: _stage_seconds(models[v]) for v in VARIANTS if v.startswith("pp-")}
+    stage_s = {v: _stage_seconds(models[v]) for v in LAMINA_PIPELINES}
+    schedule_s = {v: statistics.median(scheduled[v]) for v in LAMINA_PIPELINES}
     gathered: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(gathered, (medians, host_bytes, stage_s))
+    dist.all_gather_object(gathered, (medians, host_bytes, stage_s, schedule_s))
     if runtime.is_main:
         _report(args, gathered, models)
     lamina.shutdown()
@@ -219,29 +238,36 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
     step_s = {v: max(g[0][v] for g in gathered) for v in VARIANTS}
     link_bytes = {v: sum(g[1][v] for g in gathered) for v in VARIANTS}
     bubbles: dict[str, dict[str, float]] = {}
-    for v in ("pp-1f1b", "pp-zbv"):
+    for v in LAMINA_PIPELINES:
         stage = max(g[2][v] for g in gathered)
-        kind = schedule_kind(v.removeprefix("pp-"))
+        schedule = max(g[3][v] for g in gathered)
+        kind = schedule_kind(v.removeprefix("pp-").removesuffix("-untied"))
         per = kind.stages_per_rank(2)
         # per rank: m microbatches of each of its stages; stage seconds are per stage
         busy = MICROBATCHES * per * stage
         bubbles[v] = {
             "formula": bubble_fraction(kind, 2, MICROBATCHES, 2),
-            "measured": max(0.0, 1.0 - busy / step_s[v]),
+            "measured": max(0.0, 1.0 - busy / schedule),
+            "measured_whole_step": max(0.0, 1.0 - busy / step_s[v]),
             "stage_fwd_bwd_s": stage,
+            "schedule_s": schedule,
         }
     best_dp = min(step_s["dp"], step_s["hsdp"])
     ratios = {
         "pp-1f1b_over_best_dp_hsdp": step_s["pp-1f1b"] / best_dp,
         "pp-zbv_over_best_dp_hsdp": step_s["pp-zbv"] / best_dp,
         "pp-1f1b_over_torch-pp-1f1b": step_s["pp-1f1b"] / step_s["torch-pp-1f1b"],
+        "pp-1f1b-untied_over_torch-pp-1f1b": step_s["pp-1f1b-untied"] / step_s["torch-pp-1f1b"],
         "pp-1f1b_over_ddp": step_s["pp-1f1b"] / step_s["ddp"],
     }
     print(f"{'variant':15}{'step ms':>10}{'MB over the link':>18}")
     for v in VARIANTS:
         print(f"{v:15}{step_s[v] * 1e3:10.0f}{link_bytes[v] / 1e6:18.1f}")
     for v, b in bubbles.items():
-        print(f"{v}: bubble measured {b['measured']:.3f}, formula {b['formula']:.3f}")
+        print(
+            f"{v}: bubble measured {b['measured']:.3f} (whole step "
+            f"{b['measured_whole_step']:.3f}), formula {b['formula']:.3f}"
+        )
     for name, value in ratios.items():
         print(f"{name}: {value:.3f}")
     cut = models["pp-1f1b"].step_summary()

@@ -1,9 +1,11 @@
 """What runs a pipelined step (:class:`PipelineEngine`): torch's schedule over this
-rank's stages, then the gradient all-reduces the plan lists, then the loss handed to
-every rank of the pipeline."""
+rank's stages, then the gradient all-reduces the plan lists (the replicas' average, then
+each tied weight's sum over its stages, split among the replicas), then the loss handed
+to every rank of the pipeline."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,17 @@ class TiedWeight:
     counted_here: bool = True
 
 
+@dataclass(frozen=True)
+class StepPhases:
+    """Where one pipelined step's time went on this rank, in seconds."""
+
+    #: torch's schedule: the microbatches' forwards, backwards, sends and recvs, and the
+    #: waits between them (the bubble).
+    schedule_s: float
+    #: After it: the microbatch mean, the replicas' average and the tied weights' sums.
+    gradient_sync_s: float
+
+
 @dataclass
 class PipelineEngine:
     """This rank's stages and the groups a step uses (see the module)."""
@@ -46,6 +59,8 @@ class PipelineEngine:
     _schedules: dict[int, Any] = field(default_factory=dict)
     _stages: list[PipelineStage] | None = None
     steps: int = 0
+    #: The last step's phases on this rank (None before the first step).
+    last_phases: StepPhases | None = None
 
     @property
     def holds_last(self) -> bool:
@@ -66,13 +81,16 @@ class PipelineEngine:
         losses: list[torch.Tensor] = []
         kwargs = join_inputs(args, input_kwargs or {})
         before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
+        started = time.perf_counter()
         if self.holds_last:
             schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
         else:
             schedule.step(**kwargs, return_outputs=False)
+        scheduled = time.perf_counter()
         self._mean_over_microbatches(before)
-        self._sum_tied()
         self._average_replicas()
+        self._sum_tied()
+        self.last_phases = StepPhases(scheduled - started, time.perf_counter() - scheduled)
         self.steps += 1
         return self._loss(losses)
 
@@ -156,13 +174,34 @@ class PipelineEngine:
                 p.grad.sub_(earlier).div_(self.microbatches).add_(earlier)
 
     def _sum_tied(self) -> None:
+        """Each tied weight's gradient summed over the stages holding it. With several
+        pipelines this runs after their average, so every pipeline holds the same
+        gradients: each sums its share (1/R of the weight, R pipelines) over the pipeline
+        axis and the replicas gather the shares, so 1/R of the bytes cross that axis."""
         for tie in self.ties:
-            grad = tie.param.grad
             if tie.group is None:
                 continue
+            grad = tie.param.grad
             if grad is None:
                 grad = tie.param.grad = torch.zeros_like(tie.param)
-            dist.all_reduce(grad, group=tie.group)
+            if self.replica_group is None:
+                dist.all_reduce(grad, group=tie.group)
+                continue
+            parts = dist.get_world_size(self.replica_group)
+            share = tied_share(grad.numel(), parts)
+            padded = torch.zeros(share * parts, dtype=grad.dtype, device=grad.device)
+            padded[: grad.numel()] = grad.reshape(-1)
+            mine = padded[share * self._replica_index : share * (self._replica_index + 1)]
+            dist.all_reduce(mine, group=tie.group)
+            gathered = [torch.empty_like(mine) for _ in range(parts)]
+            dist.all_gather(gathered, mine, group=self.replica_group)
+            grad.copy_(torch.cat(gathered)[: grad.numel()].view_as(grad))
+
+    @property
+    def _replica_index(self) -> int:
+        """This rank's pipeline among the replicas (its rank in the replica group, whose
+        ranks are in pipeline order)."""
+        return self.layout.pipelines.index(self.layout.pipeline)
 
     def _average_replicas(self) -> None:
         group = self.replica_group
@@ -191,6 +230,12 @@ class PipelineEngine:
         last = self.layout.pipeline[self.layout.holder(self.layout.stage_count - 1)]
         dist.broadcast(value, src=last, group=self.pipeline_group)
         return value
+
+
+def tied_share(numel: int, parts: int) -> int:
+    """Elements of a tied weight's gradient each of ``parts`` pipelines sums (the last
+    share padded)."""
+    return -(-numel // parts)
 
 
 def _batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int:

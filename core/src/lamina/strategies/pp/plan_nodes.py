@@ -101,28 +101,29 @@ def build_pipeline_plan(
     replicas = len(layout.pipelines)
     for prank in range(layout.size):
         stages = layout.stages_of(prank)
+        average = f"pp.grad.rank{prank}"
+        if replicas > 1:
+            elements = sum(stage_params[s] for s in stages)
+            group = layout.replicas_at(prank)
+            spec = CollectiveSpec("all_reduce", "float32", elements, 4, group, axis=replica_axis)
+            about = f"stages {list(stages)}: mean gradient across {replicas} pipelines"
+            nodes.append(PlanNode(average, "collective", "backward", about,
+                                  Collective("gradient", params=elements), spec))  # fmt: skip
+            edges += [(fid(s, microbatches - 1, "bwd"), average) for s in stages]
+            edges.append((average, OPTIMIZER))
         for name, elements, holders in ties:
             ranks = tuple(sorted({layout.pipeline[layout.holder(s)] for s in holders}))
-            if prank != layout.holder(min(holders)) or len(ranks) < 2:
+            if len(ranks) < 2 or layout.pipeline[prank] not in ranks:
                 continue
+            nodes += _tie_nodes(name, elements, holders, ranks, prank, layout, replica_axis)
             node = f"pp.tied.{name}"
-            spec = CollectiveSpec("all_reduce", "float32", elements, 4, ranks, axis="pp")
-            about = f"{name}: tied weight's gradient summed over stages {list(holders)}"
-            nodes.append(PlanNode(node, "collective", "backward", about,
-                                  Collective("gradient", params=1, layer=name), spec))  # fmt: skip
-            edges += [(fid(s, microbatches - 1, "bwd"), node) for s in holders]
-            edges.append((node, OPTIMIZER))
-        if replicas < 2:
-            continue
-        elements = sum(stage_params[s] for s in stages)
-        node = f"pp.grad.rank{prank}"
-        group = layout.replicas_at(prank)
-        spec = CollectiveSpec("all_reduce", "float32", elements, 4, group, axis=replica_axis)
-        nodes.append(PlanNode(node, "collective", "backward",
-                              f"stages {list(stages)}: mean gradient across {replicas} pipelines",
-                              Collective("gradient", params=elements), spec))  # fmt: skip
-        edges += [(fid(s, microbatches - 1, "bwd"), node) for s in stages]
-        edges.append((node, OPTIMIZER))
+            first = prank == layout.holder(min(holders))
+            if first:
+                edges += [(fid(s, microbatches - 1, "bwd"), node) for s in holders]
+                edges.append((node, OPTIMIZER))
+            if replicas > 1:
+                edges += [(average, node), (node, f"{node}.gather.rank{prank}")]
+                edges.append((f"{node}.gather.rank{prank}", OPTIMIZER))
     for span in cut.spans:
         edges.append((fid(span.index, microbatches - 1, "bwd"), OPTIMIZER))
     for setup_node in nodes:
@@ -145,3 +146,35 @@ def build_pipeline_plan(
         ),
         replicate_axis=replica_axis if replicas > 1 else "",
     )
+
+
+def _tie_nodes(
+    name: str,
+    elements: int,
+    holders: tuple[int, ...],
+    ranks: tuple[int, ...],
+    prank: int,
+    layout: PipelineLayout,
+    replica_axis: str,
+) -> list[PlanNode]:
+    """A tied weight's gradient sum over the stages holding it (one node, at its first
+    holder), and with R pipelines each holder's gather of the R shares the pipelines
+    summed (the engine's ``_sum_tied``)."""
+    replicas = len(layout.pipelines)
+    share = -(-elements // replicas)
+    node = f"pp.tied.{name}"
+    out = []
+    if prank == layout.holder(min(holders)):
+        spec = CollectiveSpec("all_reduce", "float32", share, 4, ranks, axis="pp")
+        part = f" (1/{replicas} per pipeline)" if replicas > 1 else ""
+        about = f"{name}: tied weight's gradient summed over stages {list(holders)}{part}"
+        out.append(PlanNode(node, "collective", "backward", about,
+                            Collective("gradient", params=1, layer=name), spec))  # fmt: skip
+    if replicas > 1:
+        group = layout.replicas_at(prank)
+        gathered = share * replicas
+        spec = CollectiveSpec("all_gather", "float32", gathered, 4, group, axis=replica_axis)
+        about = f"{name}: the {replicas} pipelines' summed shares gathered"
+        out.append(PlanNode(f"{node}.gather.rank{prank}", "collective", "backward", about,
+                            Collective("gradient", params=1, layer=name), spec))  # fmt: skip
+    return out
