@@ -24,11 +24,13 @@ slowest rank):
   weight's gradient across the stages (1/R of it per pipeline, R = 2 pipelines).
 
 Reports step time, the bytes each host sent over its link per step (its interface's
-counter), and for lamina's pipelines the bubble: the measured fraction
-``1 - m * t_stage / t_schedule`` (``t_stage``: the slowest stage's forward + backward of
-one microbatch, timed alone; ``t_schedule``: the schedule's part of the step, before the
-gradient sync, ``model.lamina_pp.engine.last_phases``) against the schedule's formula,
-and the same over the whole step. Needs root::
+counter), and for lamina's pipelines the bubble against the schedule's formula: measured
+as each rank's fraction of the schedule's part of the step (before the gradient sync)
+spent outside its stages' forward and backward chunks
+(``model.lamina_pp.engine.last_phases``), the mean over the ranks; and estimated as
+``1 - m * t_stage / t_schedule`` from the cut's stage times (``t_stage``: the slowest
+stage's forward + backward of one microbatch, timed alone at ``distribute``). Needs
+root::
 
     python benchmarks/emulated_pipeline.py     # writes results/emulated_pipeline.json
 """
@@ -188,6 +190,7 @@ def run(args: Any) -> None:
     }
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     scheduled: dict[str, list[float]] = {v: [] for v in LAMINA_PIPELINES}
+    idle: dict[str, list[float]] = {v: [] for v in LAMINA_PIPELINES}
     sent: dict[str, list[int]] = {v: [] for v in VARIANTS}
     step = 0
     for round_ in range(args.rounds + 1):  # round 0 warms up
@@ -219,14 +222,16 @@ def run(args: Any) -> None:
                     if variant in LAMINA_PIPELINES:
                         phases = model.lamina_pp.engine.last_phases
                         scheduled[variant].append(phases.schedule_s)
+                        idle[variant].append(phases.bubble)
         if runtime.is_main:
             print(f"  round {round_}/{args.rounds} done", flush=True)
     medians = {v: statistics.median(times[v]) for v in VARIANTS}
     host_bytes = {v: statistics.median(sent[v]) if coords["intra"] == 0 else 0 for v in VARIANTS}
     stage_s = {v: _stage_seconds(models[v]) for v in LAMINA_PIPELINES}
     schedule_s = {v: statistics.median(scheduled[v]) for v in LAMINA_PIPELINES}
+    idle_s = {v: statistics.median(idle[v]) for v in LAMINA_PIPELINES}
     gathered: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(gathered, (medians, host_bytes, stage_s, schedule_s))
+    dist.all_gather_object(gathered, (medians, host_bytes, stage_s, schedule_s, idle_s))
     if runtime.is_main:
         _report(args, gathered, models)
     lamina.shutdown()
@@ -247,8 +252,10 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
         busy = MICROBATCHES * per * stage
         bubbles[v] = {
             "formula": bubble_fraction(kind, 2, MICROBATCHES, 2),
-            "measured": max(0.0, 1.0 - busy / schedule),
-            "measured_whole_step": max(0.0, 1.0 - busy / step_s[v]),
+            "measured": statistics.mean(g[4][v] for g in gathered),
+            "measured_per_rank": [g[4][v] for g in gathered],
+            "from_cut_times": max(0.0, 1.0 - busy / schedule),
+            "from_cut_times_whole_step": max(0.0, 1.0 - busy / step_s[v]),
             "stage_fwd_bwd_s": stage,
             "schedule_s": schedule,
         }
@@ -265,8 +272,9 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
         print(f"{v:15}{step_s[v] * 1e3:10.0f}{link_bytes[v] / 1e6:18.1f}")
     for v, b in bubbles.items():
         print(
-            f"{v}: bubble measured {b['measured']:.3f} (whole step "
-            f"{b['measured_whole_step']:.3f}), formula {b['formula']:.3f}"
+            f"{v}: bubble measured {b['measured']:.3f} (ranks "
+            f"{', '.join(f'{x:.3f}' for x in b['measured_per_rank'])}; from the cut's "
+            f"stage times {b['from_cut_times']:.3f}), formula {b['formula']:.3f}"
         )
     for name, value in ratios.items():
         print(f"{name}: {value:.3f}")

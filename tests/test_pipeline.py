@@ -88,12 +88,14 @@ def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[
     mine = dict(ours.named_parameters(remove_duplicate=False))
     diff = max((named[n].detach() - p.detach()).abs().max().item() for n, p in mine.items())
     plan = ours.execution_plan  # type: ignore[union-attr]
+    phases = ours.lamina_pp.engine.last_phases  # type: ignore[union-attr]
     return {
         "loss": max(loss_errors),
         "params": diff,
         "stages": ours.stages,  # type: ignore[union-attr]
         "strategy": plan.strategy,
         "names": sorted(mine),
+        "phases": (phases.schedule_s, phases.compute_s, phases.gradient_sync_s),
     }
 
 
@@ -198,6 +200,9 @@ def test_pp_by_dp_trains_as_one_process(
     assert all(len(s) == virtual for s in per_rank)
     # the two pipelines (mesh rows) hold the same stages: pp is the first axis
     assert per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3] != per_rank[0]
+    for result in pp_dp_results:  # the step's phases, timed: the stages' chunks inside
+        schedule_s, compute_s, sync_s = result[key]["phases"]
+        assert 0 < compute_s < schedule_s and sync_s > 0, result[key]["phases"]
 
 
 @pytest.mark.timeout(700)

@@ -42,6 +42,14 @@ class StepPhases:
     schedule_s: float
     #: After it: the microbatch mean, the replicas' average and the tied weights' sums.
     gradient_sync_s: float
+    #: Inside the schedule: this rank's stages computing (their forward and backward
+    #: chunks); the rest of ``schedule_s`` is transfers and waiting.
+    compute_s: float = 0.0
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the schedule this rank spent not computing."""
+        return 1.0 - self.compute_s / self.schedule_s if self.schedule_s > 0 else 0.0
 
 
 @dataclass
@@ -58,6 +66,7 @@ class PipelineEngine:
     params: list[nn.Parameter]
     _schedules: dict[int, Any] = field(default_factory=dict)
     _stages: list[PipelineStage] | None = None
+    _compute_s: float = 0.0
     steps: int = 0
     #: The last step's phases on this rank (None before the first step).
     last_phases: StepPhases | None = None
@@ -81,6 +90,7 @@ class PipelineEngine:
         losses: list[torch.Tensor] = []
         kwargs = join_inputs(args, input_kwargs or {})
         before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
+        self._compute_s = 0.0
         started = time.perf_counter()
         if self.holds_last:
             schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
@@ -90,7 +100,8 @@ class PipelineEngine:
         self._mean_over_microbatches(before)
         self._average_replicas()
         self._sum_tied()
-        self.last_phases = StepPhases(scheduled - started, time.perf_counter() - scheduled)
+        synced = time.perf_counter() - scheduled
+        self.last_phases = StepPhases(scheduled - started, synced, self._compute_s)
         self.steps += 1
         return self._loss(losses)
 
@@ -153,6 +164,8 @@ class PipelineEngine:
                     )
                     for runner in self.runners
                 ]
+                for stage in self._stages:
+                    self._time_chunks(stage)
             kind = self.layout.schedule
             held: Any = self._stages if kind.multi else self._stages[0]
             self._schedules.clear()  # one loss at a time: torch's stages keep one schedule
@@ -160,6 +173,23 @@ class PipelineEngine:
                 held, self.microbatches, loss_fn=loss_fn, scale_grads=False
             )
         return self._schedules[key]
+
+    def _time_chunks(self, stage: PipelineStage) -> None:
+        """Count the time ``stage`` spends in its forward and backward chunks."""
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            run = getattr(stage, name, None)
+            if run is not None:
+                setattr(stage, name, self._timed(run))
+
+    def _timed(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._compute_s += time.perf_counter() - started
+
+        return timed
 
     def _mean_over_microbatches(self, before: dict[int, torch.Tensor]) -> None:
         """The step's gradient as the mean over its microbatches, added to what was
