@@ -308,3 +308,42 @@ def test_a_model_without_a_chain_of_blocks_is_one_line() -> None:
     with pytest.raises(ConfigError, match=r"no nn\.ModuleList or nn\.Sequential") as err:
         find_chain(model, lambda: model(torch.randn(2, 4)))
     assert "\n" not in str(err.value)
+
+
+def _traced_job() -> None:
+    lamina.init(mesh={"pp": 2})
+    model = lamina.distribute(_build("gpt"), "pp", example_inputs=(_ids(0),), schedule="1f1b")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model.step(_ids(step), _ids(step + 10), _loss)  # type: ignore[operator]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    lamina.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_the_trace_report_shows_each_ranks_schedule_compute_bubble_and_sync(
+    tmp_path: Path,
+) -> None:
+    from rich.console import Console
+
+    from lamina.cli.trace import render_report
+    from lamina.trace.analysis import build_report
+    from lamina.trace.events import read_dir
+    from lamina.trace.export import chrome_trace
+
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu"), "LAMINA_TRACE": str(tmp_path)}
+    run_ranks(_traced_job, 2, env=env, timeout=240)
+    traces = read_dir(tmp_path)
+    report = build_report(traces, str(tmp_path))
+    rows = report.pipeline
+    assert sorted({(r.rank, r.step) for r in rows}) == [(k, s) for k in (0, 1) for s in (1, 2, 3)]
+    for row in rows:  # the stages' chunks inside the schedule, the sync after it
+        assert 0 < row.compute_ns < row.schedule_ns and row.sync_ns > 0, row
+        assert 0 < row.bubble < 1, row
+    console = Console(width=120, record=True)
+    render_report(report, console)
+    text = console.export_text()
+    assert "pipeline per step and rank" in text and "gradient sync" in text, text
+    chunks = {e["name"] for e in chrome_trace(traces)["traceEvents"] if e.get("cat") == "compute"}
+    assert {"stage 0 forward", "stage 0 backward", "stage 1 forward", "stage 1 backward"} <= chunks

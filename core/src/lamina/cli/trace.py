@@ -85,7 +85,34 @@ def render_report(report: TraceReport, console: Console) -> None:
     console.print(steps)
     if len(report.steps) > MAX_STEP_ROWS:
         console.print(f"  ({len(report.steps) - MAX_STEP_ROWS} earlier step(s) in --json)")
+    _render_pipeline(report, console)
     _render_skew(report, console)
+
+
+def _render_pipeline(report: TraceReport, console: Console) -> None:
+    """A pipelined run's steps, one row per rank: the schedule, its stages' compute, the
+    bubble (the rest of the schedule) and the gradient sync after it."""
+    if not report.pipeline:
+        return
+    table = Table(
+        title="pipeline per step and rank (ms; bubble: the schedule's time not computing)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in ("step", "rank", "schedule", "compute", "bubble", "gradient sync"):
+        table.add_column(column, justify="right", no_wrap=True)
+    steps = sorted({row.step for row in report.pipeline})[-MAX_STEP_ROWS:]
+    for row in sorted(report.pipeline, key=lambda r: (r.step, r.rank)):
+        if row.step in steps:
+            table.add_row(
+                str(row.step),
+                str(row.rank),
+                _ms(row.schedule_ns),
+                _ms(row.compute_ns),
+                f"{_ms(row.schedule_ns - row.compute_ns)} ({100 * row.bubble:.0f}%)",
+                _ms(row.sync_ns),
+            )
+    console.print(table)
 
 
 def _render_skew(report: TraceReport, console: Console) -> None:

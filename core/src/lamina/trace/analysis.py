@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from lamina.trace.events import CollectiveEvent, RankTrace, busbw_factor, read_dir
+from lamina.trace.intervals import overlap_ns, union
+from lamina.trace.pipeline_view import PipelineStep, pipeline_by_step
 from lamina.units import format_bytes
 
 #: Events smaller than this share one size class.
 SMALL_BYTES = 4096
-Interval = tuple[int, int]
 
 
 class _Record:
@@ -118,29 +118,6 @@ def op_table(traces: dict[int, RankTrace]) -> list[OpRow]:
 
 
 # -- overlap ------------------------------------------------------------------------------
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering the same time (empty ones dropped)."""
-    merged: list[Interval] = []
-    for start, end in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def overlap_ns(a: list[Interval], b: list[Interval]) -> int:
-    """Time covered by both of two disjoint sorted interval lists."""
-    total, i, j = 0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 @dataclass
 class StepOverlap(_Comm):
     """One rank's communication in one step: ``comm = hidden + exposed`` (ns)."""
@@ -331,6 +308,9 @@ class TraceReport:
     overlap: list[StepOverlap]
     steps: list[StepSummary]
     stragglers: StragglerReport
+    #: A pipelined run's schedule, compute, bubble and sync per rank and step
+    #: (:mod:`lamina.trace.pipeline_view`; empty for other runs).
+    pipeline: list[PipelineStep] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (what ``--json`` prints)."""
@@ -341,6 +321,7 @@ class TraceReport:
             "steps": [s.to_json() for s in self.steps],
             "overlap": [r.to_json() for r in self.overlap],
             "stragglers": self.stragglers.to_json(),
+            "pipeline": [r.to_json() for r in self.pipeline],
         }
 
 
@@ -366,7 +347,13 @@ def build_report(traces: dict[int, RankTrace], directory: str = "") -> TraceRepo
     }
     overlap = overlap_by_step(traces)
     return TraceReport(
-        directory, totals, op_table(traces), overlap, summarize_steps(overlap), stragglers(traces)
+        directory,
+        totals,
+        op_table(traces),
+        overlap,
+        summarize_steps(overlap),
+        stragglers(traces),
+        pipeline_by_step(traces),
     )
 
 

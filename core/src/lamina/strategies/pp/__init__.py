@@ -149,13 +149,12 @@ class PipelineStrategy(Strategy):
                 first = layout.pipeline_rank == pranks[0]
                 ties.append(TiedWeight(name, named[name], group, counted_here=first))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        log = planned.log()
         engine = PipelineEngine(
             runners, layout, options.microbatches, device, pipeline_group, replica_group,
-            ties, list(model.parameters()),
+            ties, list(model.parameters()), run_log=log,
         )  # fmt: skip
-        state = Pipelining(
-            engine, cut, planned.plan, planned.log(), planned.preflight, tuple(lines)
-        )
+        state = Pipelining(engine, cut, planned.plan, log, planned.preflight, tuple(lines))
         return extend_class(model, PipelinedModule, {}, "lamina_pp", state)
 
 

@@ -6,7 +6,8 @@ to every rank of the pipeline."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from lamina.errors import ConfigError
+from lamina.runtime.log import RunLog
 from lamina.strategies.pp.layout import PipelineLayout
 from lamina.strategies.pp.stages import StageRunner, join_inputs
+from lamina.trace.pipeline_view import GRADIENT_SYNC, PIPELINE_TRACK, SCHEDULE
+from lamina.trace.recorder import get_recorder
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -67,6 +71,8 @@ class PipelineEngine:
     _schedules: dict[int, Any] = field(default_factory=dict)
     _stages: list[PipelineStage] | None = None
     _compute_s: float = 0.0
+    #: The model's run log: each step opens its record (and the trace's step number).
+    run_log: RunLog | None = None
     steps: int = 0
     #: The last step's phases on this rank (None before the first step).
     last_phases: StepPhases | None = None
@@ -91,16 +97,22 @@ class PipelineEngine:
         kwargs = join_inputs(args, input_kwargs or {})
         before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
         self._compute_s = 0.0
+        if self.run_log is not None:
+            self.run_log.begin_step()
         started = time.perf_counter()
-        if self.holds_last:
-            schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
-        else:
-            schedule.step(**kwargs, return_outputs=False)
+        with _traced(SCHEDULE):
+            if self.holds_last:
+                schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
+            else:
+                schedule.step(**kwargs, return_outputs=False)
         scheduled = time.perf_counter()
-        self._mean_over_microbatches(before)
-        self._average_replicas()
-        self._sum_tied()
+        with _traced(GRADIENT_SYNC):
+            self._mean_over_microbatches(before)
+            self._average_replicas()
+            self._sum_tied()
         synced = time.perf_counter() - scheduled
+        if self.run_log is not None:
+            self.run_log.end_backward()  # the step's gradients are synced: it counts
         self.last_phases = StepPhases(scheduled - started, synced, self._compute_s)
         self.steps += 1
         return self._loss(losses)
@@ -175,17 +187,19 @@ class PipelineEngine:
         return self._schedules[key]
 
     def _time_chunks(self, stage: PipelineStage) -> None:
-        """Count the time ``stage`` spends in its forward and backward chunks."""
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        """Count the time ``stage`` spends in its forward and backward chunks (traced as
+        compute spans: ``stage 1 forward``)."""
+        for name, what in CHUNKS.items():
             run = getattr(stage, name, None)
             if run is not None:
-                setattr(stage, name, self._timed(run))
+                setattr(stage, name, self._timed(run, f"stage {stage.stage_index} {what}"))
 
-    def _timed(self, run: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, run: Callable[..., Any], label: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
-                return run(*args, **kwargs)
+                with _traced(label, "compute"):
+                    return run(*args, **kwargs)
             finally:
                 self._compute_s += time.perf_counter() - started
 
@@ -260,6 +274,25 @@ class PipelineEngine:
         last = self.layout.pipeline[self.layout.holder(self.layout.stage_count - 1)]
         dist.broadcast(value, src=last, group=self.pipeline_group)
         return value
+
+
+#: torch's stage methods that compute, and what a trace calls them.
+CHUNKS = {
+    "forward_one_chunk": "forward",
+    "backward_one_chunk": "backward",
+    "backward_weight_one_chunk": "backward (weights)",
+}
+
+
+@contextmanager
+def _traced(name: str, track: str = PIPELINE_TRACK) -> Iterator[None]:
+    """A span of the trace around the block, when a trace is recording."""
+    recorder = get_recorder()
+    if recorder is None:
+        yield
+        return
+    with recorder.span(track, name):
+        yield
 
 
 def tied_share(numel: int, parts: int) -> int:
