@@ -347,3 +347,63 @@ def test_the_trace_report_shows_each_ranks_schedule_compute_bubble_and_sync(
     assert "pipeline per step and rank" in text and "gradient sync" in text, text
     chunks = {e["name"] for e in chrome_trace(traces)["traceEvents"] if e.get("cat") == "compute"}
     assert {"stage 0 forward", "stage 0 backward", "stage 1 forward", "stage 1 backward"} <= chunks
+
+
+def _pipeline_plan() -> Any:
+    lamina.init(mesh={"pp": 2})
+    model = lamina.distribute(_build("gpt"), "pp", example_inputs=(_ids(0),), schedule="1f1b")
+    plan = model.execution_plan  # type: ignore[union-attr]
+    lamina.shutdown()
+    return plan
+
+
+def _even_stages(plan: Any, seconds: float) -> Any:
+    """``plan`` with every stage taking ``seconds`` per microbatch (1/3 forward)."""
+    import dataclasses
+
+    from lamina.runtime.nodes import Compute
+
+    def even(node: Any) -> Any:
+        detail = node.detail
+        if not isinstance(detail, Compute) or detail.seconds is None:
+            return node
+        share = seconds / 3 if node.kind == "forward" else 2 * seconds / 3
+        return dataclasses.replace(node, detail=dataclasses.replace(detail, seconds=share))
+
+    return dataclasses.replace(plan, nodes=tuple(even(n) for n in plan.nodes))
+
+
+@pytest.mark.timeout(300)
+def test_the_simulator_runs_the_plans_schedule_with_its_bubble_and_transfers() -> None:
+    from lamina.simulate import cluster_from_dict, predict
+
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    plan = run_ranks(_pipeline_plan, 2, env=env, timeout=240)[0]
+    measured = [n.detail.seconds for n in plan.nodes if n.kind == "forward"]
+    assert len(measured) == 2 * 4 and all(s > 0 for s in measured)  # 2 stages x 4 mbs
+
+    def cluster(gbit: float) -> Any:
+        return cluster_from_dict(
+            {
+                "hosts": 2,
+                "devices_per_host": 1,
+                "intra": {"kind": "nvlink", "bandwidth_gbps": 450, "latency_us": 3},
+                "inter": {"kind": "ib", "bandwidth_gbit": gbit, "latency_us": 5},
+                "mesh": {"pp": 2},
+            },
+            "cluster.json",
+        )
+
+    even = _even_stages(plan, 0.3)
+    fast = predict(even, cluster(1e6)).pipeline
+    assert fast is not None and fast.schedule == "1f1b" and fast.microbatches == 4
+    # 1F1B, p = 2, m = 4, equal stages, free links: (m + p - 1) x 0.3 s, bubble 1/5
+    assert fast.schedule_s == pytest.approx(1.5, rel=1e-3)
+    assert fast.bubble == pytest.approx(0.2, abs=1e-3)
+    slow = predict(even, cluster(0.001))  # 1 Mbit/s: 4 KiB take ~33 ms
+    assert slow.pipeline is not None and slow.pipeline.transfer_s > 0.02
+    # the first activation and the last gradient wait on the link: two transfers
+    added = slow.pipeline.schedule_s - fast.schedule_s
+    assert added == pytest.approx(2 * slow.pipeline.transfer_s, rel=0.02), slow.pipeline
+    assert slow.step_s == pytest.approx(slow.pipeline.schedule_s + slow.total_s)
+    assert "pipeline schedule (1f1b, 4 microbatches" in slow.report()

@@ -46,6 +46,8 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
             microbatch=_optional_int(data.get("microbatch")),
             capture=str(data.get("capture", "")),
             mode=str(data.get("mode", "")),
+            rank=_optional_int(data.get("rank")),
+            seconds=None if data.get("seconds") is None else float(data["seconds"]),
         )
     if detail_type is Collective:
         return Collective(
@@ -79,6 +81,7 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
         dtype=str(data["dtype"]),
         numel=int(data["numel"]),
         element_size=int(data["element_size"]),
+        axis=str(data.get("axis", "pp")),
     )
 
 

@@ -92,13 +92,17 @@ class Compute:
     """A forward, backward or optimizer node: of ``unit`` (``""``: the whole model), of a
     pipeline ``stage`` and ``microbatch`` where they apply. A forward records how its
     graph was captured (``capture``) and runs (``mode``: ``eager`` or
-    ``compiled:<backend>``)."""
+    ``compiled:<backend>``). A pipeline stage's node also names the pipeline ``rank``
+    running it and its predicted ``seconds`` (from the cut's measured times), which the
+    simulator schedules."""
 
     unit: str = ""
     stage: int | None = None
     microbatch: int | None = None
     capture: str = ""
     mode: str = ""
+    rank: int | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ class Transfer:
     dtype: str
     numel: int
     element_size: int
+    #: The mesh axis the pipeline runs along (its links carry the transfer).
+    axis: str = "pp"
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,10 @@ backward; how much needs compute times, which this does not model). Collectives 
 ``setup`` phase (the wrap-time broadcast) run once and are reported apart.
 Tensor parallelism's activation collectives (one per layer collective, bytes from the
 captured forward) are per-step collectives on the simulated mesh's ``tp`` group; the
-report also lists them per layer.
+report also lists them per layer. A pipelined plan's schedule (its stages' measured
+compute, the transfers between them, its bubble) is simulated over the plan's
+dependencies (:mod:`lamina.simulate.pipeline`) and comes before the gradient
+collectives in the predicted step.
 
 The parts: :mod:`lamina.simulate.groups` (the simulated group of each mesh axis),
 :mod:`lamina.simulate.timing` (each collective's time), :mod:`lamina.simulate.memory`
@@ -27,6 +30,7 @@ from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.groups import Groups, check_axes
 from lamina.simulate.memory import ADAMW_BYTES_PER_PARAM, estimate_memory
+from lamina.simulate.pipeline import predict_pipeline
 from lamina.simulate.report import StepPrediction, assumptions
 from lamina.simulate.timing import CollectiveTime, predict_collective, replica_all_reduce
 
@@ -61,6 +65,7 @@ def predict(
         memory=memory,
         assumptions=assumptions(plan, cluster, optimizer_bytes_per_param, groups),
         groups=groups.described(),
+        pipeline=predict_pipeline(plan, groups),
     )
 
 

@@ -19,6 +19,7 @@ from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.groups import LINKS, Groups
 from lamina.simulate.memory import MemoryEstimate
+from lamina.simulate.pipeline import PipelinePrediction
 from lamina.simulate.timing import CollectiveTime
 from lamina.units import format_bytes
 
@@ -42,6 +43,15 @@ class StepPrediction:
     memory: MemoryEstimate
     assumptions: tuple[str, ...]
     groups: tuple[str, ...] = field(default=())
+    #: A pipelined plan's simulated schedule (None for other plans).
+    pipeline: PipelinePrediction | None = None
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of one step as predicted: a pipeline's schedule (compute, transfers,
+        bubble) then the per-step collectives; for other plans the collectives alone (their
+        compute is not modelled)."""
+        return (self.pipeline.schedule_s if self.pipeline else 0.0) + self.total_s
 
     @property
     def total_s(self) -> float:
@@ -127,6 +137,13 @@ class StepPrediction:
                 else ""
             ),
         ]
+        if self.pipeline is not None:
+            lines += [
+                "",
+                *self.pipeline.lines(),
+                f"step: {_ms(self.step_s)} ms (the schedule, then {_ms(self.total_s)} ms of "
+                "gradient collectives)",
+            ]
         if self.once:
             total = sum(c.seconds for c in self.once)
             lines.append(
@@ -215,6 +232,8 @@ class StepPrediction:
             },
             "collectives": [c.to_json() for c in self.per_step],
             "once": [c.to_json() for c in self.once],
+            "pipeline": self.pipeline.to_json() if self.pipeline else None,
+            "step_s": self.step_s,
             "memory": self.memory.to_json(),
             "assumptions": list(self.assumptions),
         }

@@ -115,7 +115,7 @@ class PipelineStrategy(Strategy):
         plan = build_pipeline_plan(
             cut, layout, options.microbatches, activations, stage_params, tie_facts,
             dtype_totals(list(state)), replica_axis, ctx.world_size,
-            str(dist.get_backend()) if dist.is_initialized() else "gloo", lines,
+            str(dist.get_backend()) if dist.is_initialized() else "gloo", lines, axis,
         )  # fmt: skip
         return PlannedStep(
             model,

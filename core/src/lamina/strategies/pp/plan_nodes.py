@@ -42,11 +42,12 @@ def build_pipeline_plan(
     world: int,
     backend: str,
     lines: Sequence[str],
+    pp_axis: str = "pp",
 ) -> ExecutionPlan:
     """The plan (see the module). ``activations``: (shape per microbatch, dtype, element
     size) crossing each cut, in order; ``stage_params``: parameter elements per stage; ``ties``:
     (name, elements, stages holding it) of tied weights; ``setup``: the setup broadcast's
-    elements by dtype."""
+    elements by dtype; ``pp_axis``: the mesh axis the pipeline runs along."""
     nodes = broadcast_nodes("setup", setup, tuple(range(world)), "world") if world > 1 else []
     edges: list[tuple[str, str]] = []
     count = len(cut.spans)
@@ -56,14 +57,18 @@ def build_pipeline_plan(
 
     for span in cut.spans:
         s = span.index
+        rank = layout.holder(s)
+        forward_s, backward_s = _split(cut.seconds[s])
         for m in range(microbatches):
             nodes.append(
                 PlanNode(fid(s, m, "fwd"), "forward", "forward",
-                         f"stage {s} forward, microbatch {m}", Compute(stage=s, microbatch=m))
+                         f"stage {s} forward, microbatch {m}",
+                         Compute(stage=s, microbatch=m, rank=rank, seconds=forward_s))
             )  # fmt: skip
             nodes.append(
                 PlanNode(fid(s, m, "bwd"), "backward", "backward",
-                         f"stage {s} backward, microbatch {m}", Compute(stage=s, microbatch=m))
+                         f"stage {s} backward, microbatch {m}",
+                         Compute(stage=s, microbatch=m, rank=rank, seconds=backward_s))
             )  # fmt: skip
             edges.append((fid(s, m, "fwd"), fid(s, m, "bwd")))
             if m:
@@ -84,7 +89,7 @@ def build_pipeline_plan(
                         fid(s, m, what), kind, "forward" if payload == "activation" else "backward",
                         f"stage {s} {kind} {payload} of microbatch {m} "
                         f"{'to' if kind == 'send' else 'from'} stage {peer_stage}",
-                        Transfer(peer, s, m, payload, dtype, numel, size),  # type: ignore[arg-type]
+                        Transfer(peer, s, m, payload, dtype, numel, size, pp_axis),  # type: ignore[arg-type]
                     )
                 )  # fmt: skip
             if s < count - 1:
@@ -115,7 +120,9 @@ def build_pipeline_plan(
             ranks = tuple(sorted({layout.pipeline[layout.holder(s)] for s in holders}))
             if len(ranks) < 2 or layout.pipeline[prank] not in ranks:
                 continue
-            nodes += _tie_nodes(name, elements, holders, ranks, prank, layout, replica_axis)
+            nodes += _tie_nodes(
+                name, elements, holders, ranks, prank, layout, replica_axis, pp_axis
+            )
             node = f"pp.tied.{name}"
             first = prank == layout.holder(min(holders))
             if first:
@@ -148,6 +155,13 @@ def build_pipeline_plan(
     )
 
 
+def _split(seconds: float) -> tuple[float, float]:
+    """A stage's measured forward + backward of one microbatch as (forward, backward),
+    the backward twice the forward (as the schedules' bubble formulas assume; the cut
+    times the two together), rounded so every rank writes the same plan."""
+    return round(seconds / 3, 9), round(2 * seconds / 3, 9)
+
+
 def _tie_nodes(
     name: str,
     elements: int,
@@ -156,6 +170,7 @@ def _tie_nodes(
     prank: int,
     layout: PipelineLayout,
     replica_axis: str,
+    pp_axis: str,
 ) -> list[PlanNode]:
     """A tied weight's gradient sum over the stages holding it (one node, at its first
     holder), and with R pipelines each holder's gather of the R shares the pipelines
@@ -165,7 +180,7 @@ def _tie_nodes(
     node = f"pp.tied.{name}"
     out = []
     if prank == layout.holder(min(holders)):
-        spec = CollectiveSpec("all_reduce", "float32", share, 4, ranks, axis="pp")
+        spec = CollectiveSpec("all_reduce", "float32", share, 4, ranks, axis=pp_axis)
         part = f" (1/{replicas} per pipeline)" if replicas > 1 else ""
         about = f"{name}: tied weight's gradient summed over stages {list(holders)}{part}"
         out.append(PlanNode(node, "collective", "backward", about,
