@@ -23,12 +23,14 @@ slowest rank):
   comparison with ``torch-pp-1f1b``. The tied model's ``pp-1f1b`` also sums the tied
   weight's gradient across the stages (1/R of it per pipeline, R = 2 pipelines).
 
-Reports step time, the bytes each host sent over its link per step (its interface's
-counter), and for lamina's pipelines the bubble against the schedule's formula: measured
-as each rank's fraction of the schedule's part of the step (before the gradient sync)
-spent outside its stages' forward and backward chunks
-(``model.lamina_pp.engine.last_phases``), the mean over the ranks; and estimated as
-``1 - m * t_stage / t_schedule`` from the cut's stage times (``t_stage``: the slowest
+Also predicts each lamina pipeline's step with ``lamina plan --simulate``'s model
+(``lamina.simulate.predict`` on the plan, the cluster declared from the probed links)
+and reports it against the measurement. Reports step time, the bytes each host sent over
+its link per step (its interface's counter), and for lamina's pipelines the bubble
+against the schedule's formula: measured as each rank's fraction of the schedule's part
+of the step (before the gradient sync) spent outside its stages' forward and backward
+chunks (``model.lamina_pp.engine.last_phases``), the mean over the ranks; and estimated
+as ``1 - m * t_stage / t_schedule`` from the cut's stage times (``t_stage``: the slowest
 stage's forward + backward of one microbatch, timed alone at ``distribute``). Needs
 root::
 
@@ -156,6 +158,33 @@ def _stage_seconds(model: nn.Module) -> float:
     return max(model.lamina_pp.cut.seconds)  # type: ignore[union-attr]
 
 
+def _predicted_step(runtime: lamina.Runtime, model: Any) -> dict[str, float]:
+    """``lamina plan --simulate``'s step for the pipelined ``model`` on this cluster as its
+    links were probed (2 hosts x 2 ranks, the mesh's ``inter`` x ``intra``)."""
+    from lamina.simulate import cluster_from_dict, predict
+
+    topology = runtime.topology
+    inter, intra = topology.link(0, 1), topology.link(0, 2)  # across hosts; inside host 0
+    cluster = cluster_from_dict(
+        {
+            "hosts": 2,
+            "devices_per_host": 2,
+            "intra": {"bandwidth_gbps": intra.bandwidth_gbps, "latency_us": intra.latency_us},
+            "inter": {"bandwidth_gbps": inter.bandwidth_gbps, "latency_us": inter.latency_us},
+            "mesh": {"inter": 2, "intra": 2},
+        },
+        "the probed emulated cluster",
+    )
+    prediction = predict(model.execution_plan, cluster)
+    assert prediction.pipeline is not None
+    return {
+        "step_s": prediction.step_s,
+        "schedule_s": prediction.pipeline.schedule_s,
+        "bubble": prediction.pipeline.bubble,
+        "collectives_s": prediction.total_s,
+    }
+
+
 def run(args: Any) -> None:
     torch.set_num_threads(1)
     runtime = lamina.init(mesh="topology")
@@ -228,10 +257,11 @@ def run(args: Any) -> None:
     medians = {v: statistics.median(times[v]) for v in VARIANTS}
     host_bytes = {v: statistics.median(sent[v]) if coords["intra"] == 0 else 0 for v in VARIANTS}
     stage_s = {v: _stage_seconds(models[v]) for v in LAMINA_PIPELINES}
+    predicted = {v: _predicted_step(runtime, models[v]) for v in LAMINA_PIPELINES}
     schedule_s = {v: statistics.median(scheduled[v]) for v in LAMINA_PIPELINES}
     idle_s = {v: statistics.median(idle[v]) for v in LAMINA_PIPELINES}
     gathered: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(gathered, (medians, host_bytes, stage_s, schedule_s, idle_s))
+    dist.all_gather_object(gathered, (medians, host_bytes, stage_s, schedule_s, idle_s, predicted))
     if runtime.is_main:
         _report(args, gathered, models)
     lamina.shutdown()
@@ -259,6 +289,9 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
             "stage_fwd_bwd_s": stage,
             "schedule_s": schedule,
         }
+    predicted = {v: gathered[0][5][v] for v in LAMINA_PIPELINES}
+    for v, p in predicted.items():
+        p["over_measured"] = p["step_s"] / step_s[v]
     best_dp = min(step_s["dp"], step_s["hsdp"])
     ratios = {
         "pp-1f1b_over_best_dp_hsdp": step_s["pp-1f1b"] / best_dp,
@@ -278,6 +311,12 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
         )
     for name, value in ratios.items():
         print(f"{name}: {value:.3f}")
+    for v, p in predicted.items():
+        print(
+            f"{v}: simulated step {p['step_s'] * 1e3:.0f} ms (schedule "
+            f"{p['schedule_s'] * 1e3:.0f}, bubble {p['bubble']:.3f}, collectives "
+            f"{p['collectives_s'] * 1e3:.0f}) = {p['over_measured']:.3f}x measured"
+        )
     cut = models["pp-1f1b"].step_summary()
     print(cut)
     write_results(
@@ -294,6 +333,7 @@ def _report(args: Any, gathered: list[Any], models: dict[str, Any]) -> None:
             "median_step_s": step_s,
             "link_bytes_per_step": link_bytes,
             "bubble": bubbles,
+            "simulated": predicted,
             "ratios": ratios,
             "cut": cut.splitlines(),
             "gradient_bytes": sum(p.numel() for p in build().parameters()) * 4,
