@@ -353,8 +353,9 @@ def _pipeline_plan() -> Any:
     lamina.init(mesh={"pp": 2})
     model = lamina.distribute(_build("gpt"), "pp", example_inputs=(_ids(0),), schedule="1f1b")
     plan = model.execution_plan  # type: ignore[union-attr]
+    held = sum(p.numel() for p in model.parameters())
     lamina.shutdown()
-    return plan
+    return plan, held
 
 
 def _even_stages(plan: Any, seconds: float) -> Any:
@@ -378,7 +379,8 @@ def test_the_simulator_runs_the_plans_schedule_with_its_bubble_and_transfers() -
     from lamina.simulate import cluster_from_dict, predict
 
     env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
-    plan = run_ranks(_pipeline_plan, 2, env=env, timeout=240)[0]
+    results = run_ranks(_pipeline_plan, 2, env=env, timeout=240)
+    plan = results[0][0]
     measured = [n.detail.seconds for n in plan.nodes if n.kind == "forward"]
     assert len(measured) == 2 * 4 and all(s > 0 for s in measured)  # 2 stages x 4 mbs
 
@@ -407,3 +409,7 @@ def test_the_simulator_runs_the_plans_schedule_with_its_bubble_and_transfers() -
     assert added == pytest.approx(2 * slow.pipeline.transfer_s, rel=0.02), slow.pipeline
     assert slow.step_s == pytest.approx(slow.pipeline.schedule_s + slow.total_s)
     assert "pipeline schedule (1f1b, 4 microbatches" in slow.report()
+    # memory: each rank its stages' parameters, the largest rank's counted
+    assert slow.memory.local_elements == max(held for _, held in results)
+    assert slow.memory.param_elements == sum(p.numel() for p in _build("gpt").parameters())
+    assert "the largest pipeline rank's stages" in slow.report()

@@ -48,6 +48,7 @@ def detail_from_dict(kind: str, data: dict[str, Any], node: str) -> NodeDetail:
             mode=str(data.get("mode", "")),
             rank=_optional_int(data.get("rank")),
             seconds=None if data.get("seconds") is None else float(data["seconds"]),
+            params=_optional_int(data.get("params")),
         )
     if detail_type is Collective:
         return Collective(

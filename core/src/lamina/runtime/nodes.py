@@ -93,8 +93,8 @@ class Compute:
     pipeline ``stage`` and ``microbatch`` where they apply. A forward records how its
     graph was captured (``capture``) and runs (``mode``: ``eager`` or
     ``compiled:<backend>``). A pipeline stage's node also names the pipeline ``rank``
-    running it and its predicted ``seconds`` (from the cut's measured times), which the
-    simulator schedules."""
+    running it, its predicted ``seconds`` (from the cut's measured times), which the
+    simulator schedules, and the stage's parameter elements (``params``)."""
 
     unit: str = ""
     stage: int | None = None
@@ -103,6 +103,7 @@ class Compute:
     mode: str = ""
     rank: int | None = None
     seconds: float | None = None
+    params: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,10 @@ bytes per parameter and gradient element, ``K = 8`` for AdamW's two fp32 moments
 - split by tensor parallelism alone (a ``tp`` plan: no gradient collective, no gather):
   ``(P + G + K) x ceil(Psi / T)`` with ``Psi`` the elements of the wrap-time broadcast
   (the whole model) and ``T`` the simulated tp group, as if every parameter were split
-  (the replicated norms are not told apart).
+  (the replicated norms are not told apart);
+- split by pipeline stages (a ``pp`` plan, whose stage nodes carry their parameter
+  counts): ``(P + G + K) x S`` with ``S`` the largest pipeline rank's stages' elements
+  (each held whole, fp32), of ``Psi`` the whole model (the wrap-time broadcast).
 
 A composed plan (``tp+zero3``) is sharded as ZeRO-3 says, over the units the capture
 planned: those hold the capture's tp-local tensors, so its state is the capture's tp
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.errors import ConfigError
-from lamina.runtime.nodes import Collective, Gather
+from lamina.runtime.nodes import Collective, Compute, Gather, Transfer
 from lamina.runtime.plan import ExecutionPlan, PlanNode
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.groups import Groups
@@ -54,8 +57,11 @@ class MemoryEstimate:
     gathered_bytes: int = 0
     gathered_what: str = ""
     device_memory_bytes: int | None = None
-    #: The axis that splits the state when it is not ZeRO sharding ("tp"), else "".
+    #: The axis that splits the state when it is not ZeRO sharding ("tp", a pipeline's
+    #: axis), else "".
     split_axis: str = ""
+    #: How the split gives S, when not ``ceil(Psi / N)`` (a pipeline's stages).
+    split_rule: str = ""
 
     @property
     def parameters(self) -> int:
@@ -93,8 +99,9 @@ class MemoryEstimate:
         if n == 1:
             count = f"Psi = {self.param_elements:,}"
         elif self.split_axis:
+            rule = self.split_rule or f"ceil(Psi / {n:,})"
             count = (
-                f"S = ceil(Psi / {n:,}) = {self.local_elements:,}, Psi = "
+                f"S = {rule} = {self.local_elements:,}, Psi = "
                 f"{self.param_elements:,} split over {self.split_axis}={n:,}"
             )
         else:
@@ -152,6 +159,9 @@ def estimate_memory(
     groups = groups or Groups(cluster)
     gathers = [n for n in plan.collectives() if n.kind == "gather"]
     device = cluster.device_memory_bytes
+    stages = _stage_params(plan)
+    if stages:
+        return _pipeline_memory(plan, stages, optimizer_bytes_per_param, device)
     if gathers:
         return _sharded_memory(plan, groups, gathers, optimizer_bytes_per_param, device)
     grads = [
@@ -228,6 +238,40 @@ def _sharded_memory(
 def _purpose(node: PlanNode) -> str:
     facts = node.facts(Collective)
     return facts.purpose if facts is not None else ""
+
+
+def _stage_params(plan: ExecutionPlan) -> dict[int, dict[int, int]]:
+    """A pipelined plan's parameter elements per pipeline rank and stage (empty for other
+    plans)."""
+    held: dict[int, dict[int, int]] = {}
+    for node in plan.nodes:
+        detail = node.detail
+        if isinstance(detail, Compute) and detail.rank is not None and detail.params is not None:
+            held.setdefault(detail.rank, {})[detail.stage or 0] = detail.params
+    return held
+
+
+def _pipeline_memory(
+    plan: ExecutionPlan,
+    stages: dict[int, dict[int, int]],
+    k: float,
+    device: int | None,
+) -> MemoryEstimate:
+    """A pipeline: each rank holds its stages' parameters whole (fp32, as the plan's
+    gradient all-reduces carry them); the largest rank's share, of the whole model (its
+    wrap-time broadcast)."""
+    whole = [
+        n.collective
+        for n in plan.collectives()
+        if n.phase == "setup" and n.collective is not None and _purpose(n) == "broadcast"
+    ]
+    local = max(sum(held.values()) for held in stages.values())
+    psi = sum(s.numel for s in whole) or sum(sum(h.values()) for h in stages.values())
+    axis = next((n.detail.axis for n in plan.nodes if isinstance(n.detail, Transfer)), "pp")
+    return MemoryEstimate(
+        plan.strategy, len(stages), psi, local, 4, 4, k, 0, "", device,
+        split_axis=axis, split_rule="the largest pipeline rank's stages",
+    )  # fmt: skip
 
 
 def _split_memory(

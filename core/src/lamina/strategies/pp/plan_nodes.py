@@ -63,12 +63,14 @@ def build_pipeline_plan(
             nodes.append(
                 PlanNode(fid(s, m, "fwd"), "forward", "forward",
                          f"stage {s} forward, microbatch {m}",
-                         Compute(stage=s, microbatch=m, rank=rank, seconds=forward_s))
+                         Compute(stage=s, microbatch=m, rank=rank, seconds=forward_s,
+                                 params=stage_params[s]))
             )  # fmt: skip
             nodes.append(
                 PlanNode(fid(s, m, "bwd"), "backward", "backward",
                          f"stage {s} backward, microbatch {m}",
-                         Compute(stage=s, microbatch=m, rank=rank, seconds=backward_s))
+                         Compute(stage=s, microbatch=m, rank=rank, seconds=backward_s,
+                                 params=stage_params[s]))
             )  # fmt: skip
             edges.append((fid(s, m, "fwd"), fid(s, m, "bwd")))
             if m:
