@@ -356,5 +356,6 @@ def _node_from(data: dict[str, Any]) -> PlanNode:
 
 def meta_items(**values: object) -> tuple[tuple[str, str], ...]:
     """The plan's ``meta`` (sorted, stringified): descriptive facts of the whole plan that
-    ``lamina plan`` prints; no engine, strategy or simulator reads them back."""
+    ``lamina plan`` prints; no engine or strategy reads them back (the simulator's report
+    names a pipeline's ``schedule`` from them, as a label)."""
     return tuple(sorted((k, str(v)) for k, v in values.items()))

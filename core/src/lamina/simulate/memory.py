@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.errors import ConfigError
-from lamina.runtime.nodes import Collective, Compute, Gather, Transfer
+from lamina.runtime.nodes import Collective, Compute, Gather
 from lamina.runtime.plan import ExecutionPlan, PlanNode
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.groups import Groups
+from lamina.simulate.pipeline import pipeline_axis
 from lamina.units import format_bytes
 
 #: Bytes of optimizer state per parameter element: AdamW's two fp32 moments.
@@ -267,10 +268,9 @@ def _pipeline_memory(
     ]
     local = max(sum(held.values()) for held in stages.values())
     psi = sum(s.numel for s in whole) or sum(sum(h.values()) for h in stages.values())
-    axis = next((n.detail.axis for n in plan.nodes if isinstance(n.detail, Transfer)), "pp")
     return MemoryEstimate(
         plan.strategy, len(stages), psi, local, 4, 4, k, 0, "", device,
-        split_axis=axis, split_rule="the largest pipeline rank's stages",
+        split_axis=pipeline_axis(plan), split_rule="the largest pipeline rank's stages",
     )  # fmt: skip
 
 

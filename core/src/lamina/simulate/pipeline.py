@@ -18,6 +18,7 @@ is the 1F1B-like order on its stage placement.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,7 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
     if not stages:
         return None
     sends = {n.id: n for n in plan.nodes if isinstance(n.detail, Transfer)}
-    axis = next((t.detail.axis for t in sends.values() if isinstance(t.detail, Transfer)), "pp")
+    axis = pipeline_axis(plan)
     link_s = _link_seconds(groups, axis)
     preds: dict[str, list[str]] = defaultdict(list)
     for before, after in plan.edges:
@@ -137,6 +138,11 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
     )
 
 
+def pipeline_axis(plan: ExecutionPlan) -> str:
+    """The mesh axis a pipelined plan's transfers run along (``pp`` when it has none)."""
+    return next((n.detail.axis for n in plan.nodes if isinstance(n.detail, Transfer)), "pp")
+
+
 def _stage_compute(node: PlanNode) -> Compute | None:
     detail = node.detail
     if isinstance(detail, Compute) and detail.seconds is not None and detail.rank is not None:
@@ -144,7 +150,7 @@ def _stage_compute(node: PlanNode) -> Compute | None:
     return None
 
 
-def _link_seconds(groups: Groups, axis: str) -> Any:
+def _link_seconds(groups: Groups, axis: str) -> Callable[[int], float]:
     """Seconds of one message of ``n`` bytes between neighbouring pipeline ranks."""
     group = groups.of(axis)
     link = group.model.inter if group.crosses_hosts else group.model.intra
@@ -155,7 +161,7 @@ def _settle_transfers(
     sends: dict[str, PlanNode],
     preds: dict[str, list[str]],
     finish: dict[str, float],
-    link_s: Any,
+    link_s: Callable[[int], float],
 ) -> None:
     """Finish every send and recv whose predecessors have finished: a send its bytes'
     time after them, a recv with its send."""
