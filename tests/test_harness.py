@@ -83,3 +83,14 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_is_outside_the_ephemeral_range() -> None:
+    """Outgoing connections and gloo's listeners take ephemeral ports: a rendezvous port
+    picked from that range was taken before rank 0 could listen on it (EADDRINUSE)."""
+    from lamina.testing.harness import ephemeral_port_range
+
+    low, high = ephemeral_port_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(not low <= port <= high for port in ports), (sorted(ports), low, high)
+    assert len(ports) > 1  # random picks: concurrent jobs rarely meet

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import time
@@ -89,12 +90,49 @@ class RankTimeout(LaminaError, TimeoutError):
         self.ranks = list(ranks)
 
 
+#: Where Linux hands out ephemeral ports when ``/proc`` does not say (its default).
+_DEFAULT_EPHEMERAL = (32768, 60999)
+#: The lowest port :func:`free_port` picks: below it lie registered services' ports.
+_LOWEST_PICK = 20000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel picks for ``bind(0)`` and outgoing connections (Linux's
+    ``ip_local_port_range``; the Linux default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+    return low, high
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on ``host`` that was free a moment ago, outside the ephemeral range.
+
+    The port is used later, by the rank that hosts the rendezvous store. A port from the
+    ephemeral range (``bind(0)``'s answer) can be taken in between by any outgoing
+    connection or by a gloo pair's listener, which all bind ports from that range: with
+    several multi-rank jobs running at once that happened (EADDRINUSE at rendezvous).
+    Ports outside it are handed out only on request, so just another explicit pick could
+    take it; picks are random, so two concurrent ones rarely meet."""
+    low, high = ephemeral_port_range()
+    candidates = [
+        *range(_LOWEST_PICK, max(_LOWEST_PICK, low)),
+        *range(high + 1, 65536),
+    ]
+    rng = random.Random()  # not the global generator: tests seed that one
+    for port in rng.sample(candidates, min(len(candidates), 200)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: any port
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def _rank_main(
