@@ -62,6 +62,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pp-microbatches", type=int, default=4, help="pp: microbatches each batch is cut into"
     )
+    p.add_argument(
+        "--pp-shard",
+        choices=("none", "zero3"),
+        default="none",
+        help="pp: zero3 shards each stage over the other ranks (pp x zero3) instead of "
+        "replicating it",
+    )
     p.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128, help="characters per sequence")
@@ -138,6 +145,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
     if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
         p.error("--batch-size must be a multiple of --pp-microbatches")
+    if args.pp_shard != "none" and args.strategy != "pp":
+        p.error("--pp-shard shards pipeline stages: add --strategy pp")
     known = [*OWN_CODECS, *codecs()]
     if args.codec not in known:
         p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")
@@ -217,6 +226,11 @@ def init_mesh(args: argparse.Namespace) -> object:
             f"train_gpt: --strategy pp needs --pp of at least 2 dividing the {world} rank(s); "
             "start more ranks or give --pp"
         )
+    if args.pp_shard != "none" and stages == world:
+        raise SystemExit(
+            f"train_gpt: --pp-shard {args.pp_shard} shards each stage over the other ranks; "
+            f"give --pp below the {world} rank(s)"
+        )
     return {"pp": stages, "dp": world // stages} if stages < world else {"pp": stages}
 
 
@@ -286,8 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "schedule": args.pp_schedule,
                 "microbatches": args.pp_microbatches,
             }
+        strategy: str | list[str] = args.strategy
+        if args.pp_shard != "none":  # the stages sharded over dp, gathered once per step
+            strategy = [args.strategy, args.pp_shard]
         try:
-            model = lamina.distribute(net, strategy=args.strategy, **options)
+            model = lamina.distribute(net, strategy=strategy, **options)
         except ConfigError as exc:
             if rt.is_main:
                 print(f"train_gpt.py: error: --strategy {args.strategy}: {exc}", file=sys.stderr)

@@ -116,14 +116,14 @@ def test_train_gpt_with_zero3_loss_falls() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_train_gpt_pipelined_with_1f1b_loss_falls_and_prints_the_cut() -> None:
+def test_train_gpt_pipelined_with_1f1b_and_zero3_stages_loss_falls_and_prints_the_cut() -> None:
+    """pp=2 x zero3=2: each stage sharded over the two pipelines' ranks."""
     tiny = ["--max-steps", "12", "--batch-size", "4", "--seq-len", "32", "--d-model", "32"]
     tiny += ["--n-layers", "2", "--n-heads", "2", "--eval-every", "6", "--eval-batches", "1"]
-    result = run_example(
-        "train_gpt.py", *tiny, "--corpus-mb", "0.5", "--strategy", "pp", "--pp-schedule", "1f1b"
-    )
+    pipelined = ["--strategy", "pp", "--pp", "2", "--pp-schedule", "1f1b", "--pp-shard", "zero3"]
+    result = run_example("train_gpt.py", *tiny, "--corpus-mb", "0.5", *pipelined, ranks=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "pipeline: 1f1b, 2 stage(s) on 2 rank(s)" in result.stdout, result.stdout
+    assert "pipeline: 1f1b, 2 stage(s) on 2 rank(s) x 2 pipeline(s)" in result.stdout, result.stdout
     assert "stage 1 (pipeline rank 1): blocks.1..blocks.1 + suffix" in result.stdout
     done = re.search(r"done: 12 steps \| train loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert done, result.stdout

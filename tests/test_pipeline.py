@@ -1,6 +1,7 @@
 """Pipeline parallelism (``pp``): the chain of blocks cut into stages, each schedule
-training as one process does on pp=2 x dp=2 and pp=4, the pre-flight check naming a send
-whose recv does not match, and DCP checkpoints resumed on another pipeline degree."""
+training as one process does on pp=2 x dp=2, pp=2 x zero3=2 and pp=4, the pre-flight
+check naming a send whose recv does not match, and DCP checkpoints resumed on another
+pipeline degree."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import lamina
 from lamina.errors import ConfigError, VerificationError
@@ -48,8 +50,11 @@ def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return lm_loss(_logits(out), target)
 
 
-def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[str, Any]:
-    """5 steps of ``name`` pipelined, against the same model trained in this process on
+def _train_once(
+    runtime: Any, name: str, schedule: str, optimizer: str, strategy: Any = "pp"
+) -> dict[str, Any]:
+    """5 steps of ``name`` pipelined (with ``strategy``: ``"pp"``, or ``["pp", "zero3"]``
+    sharding the stages over ``dp``), against the same model trained in this process on
     every replica's batch (the same microbatches)."""
     torch.manual_seed(0)
     reference = _build(name)
@@ -64,7 +69,7 @@ def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[
     replica = runtime.mesh.coordinates().get("dp", 0)
     xs = [_ids(10 + k) for k in range(STEPS * replicas)]
     ys = [_ids(100 + k) for k in range(STEPS * replicas)]
-    ours = lamina.distribute(ours, "pp", example_inputs=(xs[0],), schedule=schedule)
+    ours = lamina.distribute(ours, strategy, example_inputs=(xs[0],), schedule=schedule)
 
     def make(params: Any) -> torch.optim.Optimizer:
         if optimizer == "sgd":
@@ -72,25 +77,33 @@ def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[
         return torch.optim.AdamW(params, lr=1e-3)
 
     opt_ref, opt_ours = make(reference.parameters()), make(ours.parameters())
-    loss_errors = []
+    loss_errors, norm_errors = [], []
     for step in range(STEPS):
         batch = range(step * replicas, (step + 1) * replicas)
         parts = [_loss(reference(xs[k]), ys[k]) for k in batch]
         (sum(parts) / replicas).backward()
         k = step * replicas + replica
         loss = ours.step(xs[k], ys[k], _loss)  # type: ignore[operator]
+        # the whole model's gradient norm (nothing clipped at this bound), as one process
+        want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6)
+        norm = ours.clip_grad_norm_(1e6)  # type: ignore[operator]
+        norm_errors.append(abs(norm.item() - want_norm.item()) / want_norm.item())
         for opt in (opt_ref, opt_ours):
             opt.step()
             opt.zero_grad(set_to_none=True)
         want = parts[replica].item()
         loss_errors.append(abs(loss.item() - want) / abs(want))
     named = dict(reference.named_parameters(remove_duplicate=False))
-    mine = dict(ours.named_parameters(remove_duplicate=False))
+    mine = {  # a shard's whole parameter: gathered over the ranks holding its stage
+        n: p.full_tensor() if isinstance(p, DTensor) else p
+        for n, p in ours.named_parameters(remove_duplicate=False)
+    }
     diff = max((named[n].detach() - p.detach()).abs().max().item() for n, p in mine.items())
     plan = ours.execution_plan  # type: ignore[union-attr]
     phases = ours.lamina_pp.engine.last_phases  # type: ignore[union-attr]
     return {
         "loss": max(loss_errors),
+        "norm": max(norm_errors),
         "params": diff,
         "stages": ours.stages,  # type: ignore[union-attr]
         "strategy": plan.strategy,
@@ -99,18 +112,22 @@ def _train_once(runtime: Any, name: str, schedule: str, optimizer: str) -> dict[
     }
 
 
-def _save(name: str, directory: str) -> dict[str, torch.Tensor]:
-    """Train one step pipelined, save through DCP; this rank's parameters as saved."""
+def _save(name: str, directory: str, strategy: Any = "pp") -> dict[str, torch.Tensor]:
+    """Train one step pipelined, save through DCP; this rank's parameters as saved (whole:
+    a zero3 shard gathered over its stage's ranks)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     torch.manual_seed(1)
-    model = lamina.distribute(_build(name), "pp", example_inputs=(_ids(1),))
+    model = lamina.distribute(_build(name), strategy, example_inputs=(_ids(1),))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.step(_ids(2), _ids(3), _loss)  # type: ignore[operator]
     opt.step()
     dcp.save(get_model_state_dict(model), checkpoint_id=directory)
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.state_dict().items()
+    }
 
 
 def _load(name: str, directory: str) -> dict[str, Any]:
@@ -139,6 +156,13 @@ PP_DP_CASES = [
     ("llama", "gpipe", "adamw"),
     ("llama", "interleaved1f1b", "sgd"),
 ]
+#: Each schedule once with the stages sharded by ZeRO-3 over dp (both models, both optimizers).
+PP_ZERO3_CASES = [
+    ("gpt", "gpipe", "adamw"),
+    ("gpt", "interleaved1f1b", "sgd"),
+    ("llama", "1f1b", "sgd"),
+    ("llama", "zbv", "adamw"),
+]
 PP4_CASES = [
     ("gpt", "interleaved1f1b", "adamw"),
     ("gpt", "gpipe", "sgd"),
@@ -150,7 +174,10 @@ PP4_CASES = [
 def _pp_dp_job(directory: str) -> dict[str, Any]:
     runtime = lamina.init(mesh={"pp": 2, "dp": 2})
     out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP_DP_CASES}
-    out["saved"] = _save("gpt", directory)
+    for n, s, o in PP_ZERO3_CASES:
+        out[f"zero3/{n}/{s}/{o}"] = _train_once(runtime, n, s, o, ["pp", "zero3"])
+    out["saved"] = _save("gpt", f"{directory}/pp_dp")
+    out["saved_zero3"] = _save("gpt", f"{directory}/pp_zero3", ["pp", "zero3"])
     lamina.shutdown()
     return out
 
@@ -158,13 +185,15 @@ def _pp_dp_job(directory: str) -> dict[str, Any]:
 def _pp4_job(directory: str) -> dict[str, Any]:
     runtime = lamina.init(mesh={"pp": 4})
     out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP4_CASES}
-    out |= _load("gpt", directory)
+    out |= _load("gpt", f"{directory}/pp_dp")
+    out["loaded_zero3"] = _load("gpt", f"{directory}/pp_zero3")["loaded"]
     lamina.shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where pp=2 x dp=2 (``pp_dp/``) and pp=2 x zero3=2 (``pp_zero3/``) save."""
     return tmp_path_factory.mktemp("pp_checkpoint")
 
 
@@ -180,12 +209,13 @@ def pp4_results(pp_dp_results: list[dict[str, Any]], checkpoint_dir: Path) -> li
     return run_ranks(_pp4_job, 4, args=(str(checkpoint_dir),), env=env, timeout=600)
 
 
-def _check(results: list[dict[str, Any]], key: str) -> None:
+def _check(results: list[dict[str, Any]], key: str, strategy: str = "pp") -> None:
     for rank, result in enumerate(results):
         got = result[key]
         assert got["loss"] <= 1e-6, (rank, key, got["loss"])
         assert got["params"] <= 1e-5, (rank, key, got["params"])
-        assert got["strategy"] == "pp"
+        assert got["norm"] <= 1e-5, (rank, key, got["norm"])
+        assert got["strategy"] == strategy
 
 
 @pytest.mark.timeout(700)
@@ -203,6 +233,18 @@ def test_pp_by_dp_trains_as_one_process(
     for result in pp_dp_results:  # the step's phases, timed: the stages' chunks inside
         schedule_s, compute_s, sync_s = result[key]["phases"]
         assert 0 < compute_s < schedule_s and sync_s > 0, result[key]["phases"]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("name", "schedule", "optimizer"), PP_ZERO3_CASES)
+def test_pp_by_zero3_trains_as_one_process(
+    pp_dp_results: list[dict[str, Any]], name: str, schedule: str, optimizer: str
+) -> None:
+    """Each rank's stages sharded over dp, gathered once per step for every microbatch."""
+    key = f"zero3/{name}/{schedule}/{optimizer}"
+    _check(pp_dp_results, key, strategy="pp+zero3")
+    for result in pp_dp_results:
+        assert all(isinstance(n, str) and not n.startswith("_") for n in result[key]["names"])
 
 
 @pytest.mark.timeout(700)
@@ -236,7 +278,30 @@ def test_a_checkpoint_saved_under_pp2_by_dp2_loads_exactly_under_pp4_and_in_one_
         assert result["direct_call"].startswith("a pipelined model runs whole steps: call loss")
     whole = _build("gpt")  # one process, no process group: the full state dict
     state = whole.state_dict()
-    dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    dcp.load(state, checkpoint_id=str(checkpoint_dir / "pp_dp"))
+    assert set(state) == set(saved)
+    for key, value in state.items():
+        assert torch.equal(value, saved[key]), key
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_a_checkpoint_of_zero3_sharded_stages_loads_exactly_under_pp4_and_in_one_process(
+    pp_dp_results: list[dict[str, Any]], pp4_results: list[dict[str, Any]], checkpoint_dir: Path
+) -> None:
+    """pp=2 x zero3=2 saves each stage's shards through DCP under the model's names."""
+    import torch.distributed.checkpoint as dcp
+
+    saved: dict[str, torch.Tensor] = {}
+    for result in pp_dp_results:
+        saved.update(result["saved_zero3"])
+    for rank, result in enumerate(pp4_results):
+        assert result["loaded_zero3"], rank
+        for key, value in result["loaded_zero3"].items():
+            assert torch.equal(value, saved[key]), (rank, key)
+    whole = _build("gpt")
+    state = whole.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint_dir / "pp_zero3"))
     assert set(state) == set(saved)
     for key, value in state.items():
         assert torch.equal(value, saved[key]), key

@@ -172,6 +172,9 @@ class Zero3Engine:
         #: True while every module holds whole plain parameters (``full_parameters``):
         #: the hooks then leave the modules alone.
         self.summoned = False
+        #: True while a whole step holds every unit gathered, with leaf parameters that
+        #: sum the step's gradients (:mod:`lamina.memory.whole_step`); ``summoned`` too.
+        self.whole_step = False
 
     @property
     def in_backward(self) -> bool:

@@ -3,9 +3,14 @@
 ``lamina.distribute(model, ["tp", "zero3"])`` applies the strategies in order: ``tp``
 splits the layers across its axis, then ``zero3`` (or ``hsdp``) shards the split
 parameters' local tensors over the other axes, as FSDP2 does for tensor-parallel
-parameters, broadcasting only over its own groups. Each strategy plans, verifies across
+parameters, broadcasting only over its own groups. ``["pp", "zero3"]`` cuts the model
+into stages along ``pp``, then shards each rank's stages over the other axes: a
+pipelined step gathers them once for all its microbatches and reduce-scatters the summed
+gradients after the last (:mod:`lamina.memory.whole_step`), and the follower verifies
+its plan among the ranks holding the same stages. Each strategy plans, verifies across
 ranks and sets up as it does alone (:func:`~lamina.strategies.wrap_pipeline.distribute_with`);
-the composed model's plan holds every strategy's collectives, each on its axes.
+the composed model's plan holds every strategy's collectives and transfers, each on its
+axes.
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
+from lamina.memory.engine import Zero3Engine
+from lamina.memory.whole_step import WholeStepGather
 from lamina.runtime import ExecutionPlan
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
 from lamina.strategies.extension import extend_class
@@ -28,8 +36,10 @@ from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 if TYPE_CHECKING:
     from lamina.session import Runtime
 
-#: What may follow ``tp`` on the other axes.
-FOLLOWERS: tuple[str, ...] = ("zero3", "hsdp")
+#: What may follow each leading strategy on the other axes.
+FOLLOWERS: dict[str, tuple[str, ...]] = {"tp": ("zero3", "hsdp"), "pp": ("zero3", "hsdp")}
+#: Plan node kinds an earlier strategy's plan adds to the composed one.
+_CARRIED_KINDS = ("collective", "send", "recv")
 
 
 class ComposedModule(nn.Module):
@@ -48,7 +58,7 @@ class ComposedModule(nn.Module):
             else replace(node, id=f"{plan.strategy}.{node.id}")
             for plan in self.lamina_composed
             for node in plan.nodes
-            if node.kind == "collective"
+            if node.kind in _CARRIED_KINDS
         )
         names = "+".join((*(p.strategy for p in self.lamina_composed), inner.strategy))
         metas = tuple(item for plan in self.lamina_composed for item in plan.meta)
@@ -71,25 +81,56 @@ def distribute_composed(
     """``model`` distributed by ``names`` in order (see the module)."""
     chosen = [get_strategy(n, runtime.plugins) for n in names]
     _check_order([s.name for s in chosen])
+    leader, follower = chosen
+    if leader.name == "pp":  # one gather per step serves every microbatch: keep it
+        options = {"reshard_after_forward": False, **options}
     settings = _route_options(chosen, options)
     where = _placements(chosen, runtime.mesh, placement)
-    held = model
-    plans: list[ExecutionPlan] = []
-    for strategy in chosen:
-        held = distribute_with(
-            strategy,
-            held,
-            runtime,
-            where[strategy.name],
-            settings[strategy.name],
-            over=held.__dict__.get(DISTRIBUTED_WITH) if plans else None,
-        )
-        if strategy is not chosen[-1]:
-            plans.append(held.execution_plan)  # type: ignore[arg-type]
-    _attach_views(held, runtime.mesh, where[chosen[-1].name])
-    held = extend_class(held, ComposedModule, {}, "lamina_composed", tuple(plans))
+    # stages differ by design: the follower's plans agree among the ranks of one stage
+    axes = (*where[follower.name].shard, *where[follower.name].replicate)
+    verify_group = runtime.mesh.group_over(axes)[0] if leader.name == "pp" else None
+    held = distribute_with(leader, model, runtime, where[leader.name], settings[leader.name])
+    plans = (held.execution_plan,)
+    held = distribute_with(
+        follower,
+        held,
+        runtime,
+        where[follower.name],
+        settings[follower.name],
+        over=held.__dict__.get(DISTRIBUTED_WITH),
+        verify_group=verify_group,
+    )
+    _attach_views(held, runtime.mesh, where[follower.name])
+    if leader.name == "pp":
+        _gather_stages_per_step(held)
+        held = extend_class(held, PipelinedComposedModule, {}, "lamina_composed", plans)
+    else:
+        held = extend_class(held, ComposedModule, {}, "lamina_composed", plans)
     held.__dict__[DISTRIBUTED_WITH] = "+".join(s.name for s in chosen)
     return held
+
+
+class PipelinedComposedModule(ComposedModule):
+    """A pipelined model whose stages a sharding strategy holds: the pipeline's own
+    methods, which span every stage, come before the sharded model's."""
+
+    lamina_pp: Any
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the whole model's gradient norm (every stage, every shard) to ``max_norm``."""
+        norm: torch.Tensor = self.lamina_pp.engine.clip_grad_norm_(max_norm)
+        return norm
+
+    def step_summary(self) -> str:
+        """The cut, one stage per line."""
+        return "\n".join(self.lamina_pp.lines)
+
+
+def _gather_stages_per_step(model: nn.Module) -> None:
+    """The pipeline's steps gather the sharded stages once for all their microbatches."""
+    pipelining, sharding = model.__dict__["lamina_pp"], model.__dict__["lamina_sharding"]
+    assert isinstance(sharding.engine, Zero3Engine)
+    pipelining.engine.sharding = WholeStepGather(sharding.engine)
 
 
 def _attach_views(model: nn.Module, mesh: DeviceMesh, sharded: Placement) -> None:
@@ -105,10 +146,11 @@ def _attach_views(model: nn.Module, mesh: DeviceMesh, sharded: Placement) -> Non
 
 
 def _check_order(names: list[str]) -> None:
-    if len(names) < 2 or names[0] != "tp" or len(names) != 2 or names[1] not in FOLLOWERS:
+    if len(names) != 2 or names[1] not in FOLLOWERS.get(names[0], ()):
+        pairs = ", ".join(f"{[lead, f]}" for lead, fs in FOLLOWERS.items() for f in fs)
         raise ConfigError(
-            f"strategies {names} do not compose; compose 'tp' first with one of "
-            f"{list(FOLLOWERS)} on the other mesh axes, e.g. ['tp', 'zero3']"
+            f"strategies {names} do not compose; compose a leading strategy with a "
+            f"sharding one on the other mesh axes: {pairs}"
         )
 
 
@@ -141,7 +183,9 @@ def _placements(
     if unknown:
         raise ConfigError(f"placement names strategy {unknown[0]!r}, which is not composed here")
     first, follower = chosen
-    where = {first.name: given.get(first.name) or first.default_placement(mesh)}
+    # the leader takes its own axes only: the follower syncs the others
+    leading = given.get(first.name) or Placement(shard=first.default_placement(mesh).shard)
+    where = {first.name: leading}
     used = set(where[first.name].shard) | set(where[first.name].replicate)
     rest = tuple(a for a in mesh.axis_names if a not in used)
     if not rest:

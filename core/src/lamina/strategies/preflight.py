@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+import torch.distributed as dist
 from torch import nn
 
 from lamina.runtime import ExecutionPlan
@@ -50,23 +51,37 @@ def request_stop(at: StopAt | None) -> None:
 
 
 def before_first_collective(
-    runtime: Runtime, planned: PlannedStep, module: nn.Module, *, verify: bool
+    runtime: Runtime,
+    planned: PlannedStep,
+    module: nn.Module,
+    *,
+    verify: bool,
+    group: dist.ProcessGroup | None = None,
 ) -> PreflightReport | None:
-    """Stop here for ``lamina plan``, or verify the plan across ranks (see the module)."""
+    """Stop here for ``lamina plan``, or verify the plan across the ranks of ``group``
+    (None: every rank; see the module)."""
     if _STOP == "plan":
         raise StopBeforeFirstCollective(planned.plan)
     if not (verify or _STOP == "verify"):
         return None
-    report = verify_plan(runtime, planned, module)
+    report = verify_plan(runtime, planned, module, group)
     if _STOP == "verify":
         raise StopBeforeFirstCollective(planned.plan, report)
     return report
 
 
-def verify_plan(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> PreflightReport:
-    """Every rank's manifest of ``planned`` compared with the others' (collective over the
-    control group); a VerificationError naming what differs."""
-    return preflight(manifest_of(runtime, planned, module), group=runtime.control_group)
+def verify_plan(
+    runtime: Runtime,
+    planned: PlannedStep,
+    module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+) -> PreflightReport:
+    """Every rank's manifest of ``planned`` compared with the others' (collective over
+    ``group``, by default the control group: every rank); a VerificationError naming what
+    differs. A strategy composed after ``pp`` passes its own axes' group: the stages
+    differ by design, the ranks holding one stage must agree."""
+    manifest = manifest_of(runtime, planned, module)
+    return preflight(manifest, group=group if group is not None else runtime.control_group)
 
 
 def manifest_of(runtime: Runtime, planned: PlannedStep, module: nn.Module) -> Manifest:

@@ -52,9 +52,11 @@ def distribute_with(
     options: StrategyOptions,
     *,
     over: str | None = None,
+    verify_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """``model`` distributed with ``strategy`` (see the module docstring); ``over`` names
-    the strategy that already holds it when strategies compose (the other axes)."""
+    the strategy that already holds it when strategies compose (the other axes), and
+    ``verify_group`` the ranks whose plans must agree (None: every rank)."""
     _check_distributable(model, strategy.name, over)
     ctx = StrategyContext.of(session)
 
@@ -62,7 +64,8 @@ def distribute_with(
 
     def plan_and_build(inputs: StepInputs | None) -> nn.Module:
         planned = strategy.plan(prepared, ctx, placement, options, inputs)
-        built = strategy.build(set_up(session, planned, verify=options.verify))
+        ready = set_up(session, planned, verify=options.verify, group=verify_group)
+        built = strategy.build(ready)
         built.__dict__[DISTRIBUTED_WITH] = strategy.name
         return built
 
@@ -73,17 +76,23 @@ def distribute_with(
     return plan_and_build(None)
 
 
-def set_up(session: Runtime, planned: PlannedStep, *, verify: bool) -> PlannedStep:
-    """``planned`` after stop-or-verify and the setup broadcast, with its pre-flight
-    report and run log filled in."""
-    report = before_first_collective(session, planned, planned.module, verify=verify)
+def set_up(
+    session: Runtime,
+    planned: PlannedStep,
+    *,
+    verify: bool,
+    group: dist.ProcessGroup | None = None,
+) -> PlannedStep:
+    """``planned`` after stop-or-verify (across ``group``'s ranks; None: every rank) and
+    the setup broadcast, with its pre-flight report and run log filled in."""
+    report = before_first_collective(session, planned, planned.module, verify=verify, group=group)
     log = RunLog(planned.plan)
     setup = planned.broadcast
     if setup is not None:
         run_broadcast_nodes(log, "setup", setup.tensors, setup.source, setup.group)
 
     def verify_again(filled: ExecutionPlan) -> PreflightReport:
-        return verify_plan(session, replace(planned, plan=filled), planned.module)
+        return verify_plan(session, replace(planned, plan=filled), planned.module, group)
 
     again = verify_again if verify else None
     return replace(planned, preflight=report, run_log=log, verify_again=again)

@@ -122,6 +122,7 @@ def free_port(host: str = LOOPBACK) -> int:
         *range(high + 1, 65536),
     ]
     rng = random.Random()  # not the global generator: tests seed that one
+    port: int
     for port in rng.sample(candidates, min(len(candidates), 200)):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

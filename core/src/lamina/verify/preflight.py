@@ -100,7 +100,9 @@ def preflight(
         )
     members = tuple(dist.get_process_group_ranks(group)) if group is not None else None
     members = members or tuple(range(dist.get_world_size()))
-    _arrive(rank, members, limit, f"lamina/preflight/{next(_CALLS)}/")
+    # the members in the keys: groups that check at once (a pipeline's stages) count apart
+    group_key = ",".join(map(str, members))
+    _arrive(rank, members, limit, f"lamina/preflight/{next(_CALLS)}/{group_key}/")
 
     mine = manifest.digest_bytes()
     device = _device_for(group)

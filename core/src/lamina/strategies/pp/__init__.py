@@ -6,8 +6,12 @@ rank keeps its stages of the one model object (:mod:`.stages`), and a step runs 
 ``torch.distributed.pipelining`` schedule over them (:mod:`.schedules`, :mod:`.engine`):
 ``loss = model.step(inputs, targets, loss_fn)``. Placed on the ``pp`` axis (by default
 the slowest, ``inter``), it replicates over the other axes: each stage's gradients are
-averaged across the pipelines. The plan lists every stage's computes and transfers
-(:mod:`.plan_nodes`), the same on every rank, so pre-flight compares the whole pipeline.
+averaged across the pipelines. Composed with ``zero3`` or ``hsdp``
+(``lamina.distribute(model, ["pp", "zero3"])``), its placement names the ``pp`` axis
+alone and the follower shards each stage over the others, gathering it for the whole
+step (:mod:`lamina.memory.whole_step`). The plan lists every stage's computes and
+transfers (:mod:`.plan_nodes`), the same on every rank, so pre-flight compares the whole
+pipeline.
 """
 
 from __future__ import annotations
@@ -112,32 +116,36 @@ class PipelineStrategy(Strategy):
         tie_facts = [t for t in tie_facts if len(t[2]) > 1]
         stage_params = [sum(p.numel() for p in own.values()) for own in owners]
         replica_axis = "+".join(placement.replicate) or "world"
+        # pp averages the pipelines only over the axes it replicates: composed, the
+        # strategy on the other axes syncs them
+        replicas = len(layout.pipelines) if placement.replicate else 1
         plan = build_pipeline_plan(
             cut, layout, options.microbatches, activations, stage_params, tie_facts,
             dtype_totals(list(state)), replica_axis, ctx.world_size,
             str(dist.get_backend()) if dist.is_initialized() else "gloo", lines, axis,
+            replicas,
         )  # fmt: skip
         return PlannedStep(
             model,
             plan,
             (("pipeline_cut", tuple(lines)),),
             SetupBroadcast(state, 0, None),  # the whole model, before it is cut
-            (chain, cut, layout, options, tie_facts, lines),
+            (chain, cut, layout, options, tie_facts, lines, replicas),
             leading_manifest=(("pipeline_transfers", tuple(_transfer_lines(chain, cut, layout))),),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model pruned to this rank's stages, with ``step`` running the schedule."""
-        chain, cut, layout, options, tie_facts, lines = planned.inputs
+        chain, cut, layout, options, tie_facts, lines, replicas = planned.inputs
         assert isinstance(chain, BlockChain) and isinstance(cut, StageCut)
         assert isinstance(layout, PipelineLayout)
         model = planned.module
         mine = layout.stages_of(layout.pipeline_rank)
-        named = dict(model.named_parameters(remove_duplicate=False))
+        names_of = {names[0]: tuple(names) for names, _param in _tied(model)}
         runners = build_stages(model, chain, [cut.spans[s] for s in mine])
         pipeline_group = _group_for(layout.pipelines, layout.rank)
         replica_group = None
-        if len(layout.pipelines) > 1:
+        if replicas > 1:
             columns = [layout.replicas_at(i) for i in range(layout.size)]
             replica_group = _group_for(columns, layout.rank)
         ties = []
@@ -147,12 +155,12 @@ class PipelineStrategy(Strategy):
             group = _group_for(groups, layout.rank) if len(pranks) > 1 else None
             if layout.pipeline_rank in pranks:
                 first = layout.pipeline_rank == pranks[0]
-                ties.append(TiedWeight(name, named[name], group, counted_here=first))
+                ties.append(TiedWeight(name, names_of[name], group, counted_here=first))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         log = planned.log()
         engine = PipelineEngine(
             runners, layout, options.microbatches, device, pipeline_group, replica_group,
-            ties, list(model.parameters()), run_log=log,
+            ties, model, run_log=log,
         )  # fmt: skip
         state = Pipelining(engine, cut, planned.plan, log, planned.preflight, tuple(lines))
         return extend_class(model, PipelinedModule, {}, "lamina_pp", state)

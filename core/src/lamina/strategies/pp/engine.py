@@ -1,7 +1,9 @@
 """What runs a pipelined step (:class:`PipelineEngine`): torch's schedule over this
 rank's stages, then the gradient all-reduces the plan lists (the replicas' average, then
 each tied weight's sum over its stages, split among the replicas), then the loss handed
-to every rank of the pipeline."""
+to every rank of the pipeline. Where ZeRO-3 or HSDP shards the stages over the other
+axes (composed after ``pp``), a :class:`StepSharding` gathers them for the whole step
+and reduce-scatters the summed gradients after it, in place of the replicas' average."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,13 +30,38 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 @dataclass
 class TiedWeight:
-    """A weight two or more stages hold: its local parameter and the group summing it."""
+    """A weight two or more stages hold: its names and the group summing it."""
 
     name: str
-    param: nn.Parameter
+    #: Every name the model registers it under (a stage holds it under some of them).
+    names: tuple[str, ...]
     group: dist.ProcessGroup | None
     #: Whether this rank counts it in the gradient norm (the first stage holding it).
     counted_here: bool = True
+
+    def param_in(self, model: nn.Module) -> nn.Parameter:
+        """The parameter the model holds for it now (a sharding strategy composed after
+        the pipeline swaps the model's parameters, for the step and after it)."""
+        held = dict(model.named_parameters(remove_duplicate=False))
+        return next(held[n] for n in self.names if n in held)
+
+
+class StepSharding(Protocol):
+    """Shards a pipelined model's stages over the other mesh axes (ZeRO-3 / HSDP composed
+    after ``pp``; :class:`lamina.memory.whole_step.WholeStepGather`)."""
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard across the job's replica axes (1: none)."""
+
+    def begin(self, train: bool = True) -> None:
+        """Whole parameters in the modules for the step (gathered)."""
+
+    def finish(self) -> None:
+        """The step's summed gradients reduce-scattered into the shards' gradients."""
+
+    def end(self) -> None:
+        """The shards back in the modules, without any collective."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +94,9 @@ class PipelineEngine:
     pipeline_group: dist.ProcessGroup
     replica_group: dist.ProcessGroup | None
     ties: list[TiedWeight]
-    params: list[nn.Parameter]
+    #: The pruned model: its parameters now are this rank's stages' (whole ones during a
+    #: sharded step, shards after it).
+    model: nn.Module
     _schedules: dict[int, Any] = field(default_factory=dict)
     _stages: list[PipelineStage] | None = None
     _compute_s: float = 0.0
@@ -76,6 +105,13 @@ class PipelineEngine:
     steps: int = 0
     #: The last step's phases on this rank (None before the first step).
     last_phases: StepPhases | None = None
+    #: Shards the stages over the other axes (None: each rank holds its stages whole).
+    sharding: StepSharding | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This rank's stages' parameters, as the model holds them now."""
+        return list(self.model.parameters())
 
     @property
     def holds_last(self) -> bool:
@@ -95,21 +131,24 @@ class PipelineEngine:
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
         kwargs = join_inputs(args, input_kwargs or {})
-        before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
         self._compute_s = 0.0
         if self.run_log is not None:
             self.run_log.begin_step()
         started = time.perf_counter()
-        with _traced(SCHEDULE):
-            if self.holds_last:
-                schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
-            else:
-                schedule.step(**kwargs, return_outputs=False)
-        scheduled = time.perf_counter()
-        with _traced(GRADIENT_SYNC):
-            self._mean_over_microbatches(before)
-            self._average_replicas()
-            self._sum_tied()
+        with self._whole_parameters(train=True) as sharding:
+            before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
+            with _traced(SCHEDULE):
+                if self.holds_last:
+                    schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
+                else:
+                    schedule.step(**kwargs, return_outputs=False)
+            scheduled = time.perf_counter()
+            with _traced(GRADIENT_SYNC):
+                self._mean_over_microbatches(before)
+                self._average_replicas()
+                self._sum_tied()
+                if sharding is not None:
+                    sharding.finish()
         synced = time.perf_counter() - scheduled
         if self.run_log is not None:
             self.run_log.end_backward()  # the step's gradients are synced: it counts
@@ -130,7 +169,7 @@ class PipelineEngine:
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
         kwargs = join_inputs(args, input_kwargs or {})
-        with torch.no_grad():
+        with torch.no_grad(), self._whole_parameters(train=False):
             if self.holds_last:
                 schedule.eval(**kwargs, target=targets, losses=losses)
             else:
@@ -140,19 +179,39 @@ class PipelineEngine:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that the whole model's gradient norm (as
         ``torch.nn.utils.clip_grad_norm_`` computes it in one process, a tied weight
-        once) is at most ``max_norm``; that norm before scaling."""
-        skipped = {id(t.param) for t in self.ties if not t.counted_here}
+        once) is at most ``max_norm``; that norm before scaling. Sharded stages: each
+        rank's shards, summed over the whole job (each shard counted once)."""
+        skipped = {id(t.param_in(self.model)) for t in self.ties if not t.counted_here}
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in self.params:
             if p.grad is not None and id(p) not in skipped:
-                squares += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares, group=self.pipeline_group)
+                squares += _local(p.grad).detach().float().pow(2).sum()
+        if self.sharding is None:
+            dist.all_reduce(squares, group=self.pipeline_group)
+        else:  # every rank holds other shards; HSDP's replicas hold the same ones
+            squares /= self.sharding.replicas
+            dist.all_reduce(squares)
         total = squares.sqrt()
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params:
             if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+                _local(p.grad).mul_(scale.to(p.grad.dtype))
         return total
+
+    @contextmanager
+    def _whole_parameters(self, train: bool) -> Iterator[StepSharding | None]:
+        """The stages' whole parameters for the block where they are sharded (the
+        sharding, else None); the shards come back at its end, with no collective (a
+        training step calls ``finish()`` inside it to give them their gradients)."""
+        sharding = self.sharding
+        if sharding is None:
+            yield None
+            return
+        sharding.begin(train)
+        try:
+            yield sharding
+        finally:
+            sharding.end()
 
     def _check_batch(self, caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         batch = _batch_size(args, kwargs)
@@ -225,9 +284,10 @@ class PipelineEngine:
         for tie in self.ties:
             if tie.group is None:
                 continue
-            grad = tie.param.grad
+            param = tie.param_in(self.model)
+            grad = param.grad
             if grad is None:
-                grad = tie.param.grad = torch.zeros_like(tie.param)
+                grad = param.grad = torch.zeros_like(param)
             if self.replica_group is None:
                 dist.all_reduce(grad, group=tie.group)
                 continue
@@ -299,6 +359,12 @@ def tied_share(numel: int, parts: int) -> int:
     """Elements of a tied weight's gradient each of ``parts`` pipelines sums (the last
     share padded)."""
     return -(-numel // parts)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (a sharded parameter's gradient), else the tensor."""
+    local: torch.Tensor = getattr(tensor, "_local_tensor", tensor)
+    return local
 
 
 def _batch_size(args: Sequence[Any], kwargs: dict[str, Any]) -> int:

@@ -43,11 +43,14 @@ def build_pipeline_plan(
     backend: str,
     lines: Sequence[str],
     pp_axis: str = "pp",
+    replicas: int | None = None,
 ) -> ExecutionPlan:
     """The plan (see the module). ``activations``: (shape per microbatch, dtype, element
     size) crossing each cut, in order; ``stage_params``: parameter elements per stage; ``ties``:
     (name, elements, stages holding it) of tied weights; ``setup``: the setup broadcast's
-    elements by dtype; ``pp_axis``: the mesh axis the pipeline runs along."""
+    elements by dtype; ``pp_axis``: the mesh axis the pipeline runs along; ``replicas``:
+    the pipelines whose gradients pp averages (None: all of them; 1: none, a strategy
+    composed on the other axes syncs them)."""
     nodes = broadcast_nodes("setup", setup, tuple(range(world)), "world") if world > 1 else []
     edges: list[tuple[str, str]] = []
     count = len(cut.spans)
@@ -105,7 +108,7 @@ def build_pipeline_plan(
     nodes.append(
         PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)", Compute())
     )
-    replicas = len(layout.pipelines)
+    replicas = len(layout.pipelines) if replicas is None else replicas
     for prank in range(layout.size):
         stages = layout.stages_of(prank)
         average = f"pp.grad.rank{prank}"
@@ -123,7 +126,7 @@ def build_pipeline_plan(
             if len(ranks) < 2 or layout.pipeline[prank] not in ranks:
                 continue
             nodes += _tie_nodes(
-                name, elements, holders, ranks, prank, layout, replica_axis, pp_axis
+                name, elements, holders, ranks, prank, layout, replica_axis, pp_axis, replicas
             )
             node = f"pp.tied.{name}"
             first = prank == layout.holder(min(holders))
@@ -173,11 +176,11 @@ def _tie_nodes(
     layout: PipelineLayout,
     replica_axis: str,
     pp_axis: str,
+    replicas: int,
 ) -> list[PlanNode]:
     """A tied weight's gradient sum over the stages holding it (one node, at its first
     holder), and with R pipelines each holder's gather of the R shares the pipelines
     summed (the engine's ``_sum_tied``)."""
-    replicas = len(layout.pipelines)
     share = -(-elements // replicas)
     node = f"pp.tied.{name}"
     out = []

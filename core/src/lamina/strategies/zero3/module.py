@@ -80,6 +80,10 @@ class ShardedModule(nn.Module):
                 f"this {type(self).__name__} is on the meta device; call "
                 "model.to_empty(device=...) and initialize or load it before the forward"
             )
+        if engine.whole_step:  # a step holds the whole parameters: the plain forward
+            if sharding.param_dtype is not None:
+                args, kwargs = _cast_floats((args, kwargs), sharding.param_dtype)
+            return super().forward(*args, **kwargs)
         if engine.summoned:
             return full_parameters_forward(self, super().forward, args, kwargs)
         if self.training and torch.is_grad_enabled():
