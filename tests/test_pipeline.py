@@ -260,28 +260,36 @@ def test_pp4_trains_as_one_process(
     assert all(len(a & b) == 0 or "tok.weight" in a & b for a in names for b in names if a is not b)
 
 
+def _check_loads_exactly(
+    saved_by: list[dict[str, Any]], loaded_by: list[dict[str, Any]], saved_key: str,
+    loaded_key: str, directory: Path,
+) -> None:  # fmt: skip
+    """Every pp=4 rank's stages loaded what the pp=2 ranks saved, exactly, and so did the
+    whole model in one process (no process group: the full state dict)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved: dict[str, torch.Tensor] = {}
+    for result in saved_by:
+        saved.update(result[saved_key])
+    for rank, result in enumerate(loaded_by):
+        assert result[loaded_key], rank
+        for key, value in result[loaded_key].items():
+            assert torch.equal(value, saved[key]), (rank, key)
+    state = _build("gpt").state_dict()
+    dcp.load(state, checkpoint_id=str(directory))
+    assert set(state) == set(saved)
+    for key, value in state.items():
+        assert torch.equal(value, saved[key]), key
+
+
 @pytest.mark.timeout(700)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_a_checkpoint_saved_under_pp2_by_dp2_loads_exactly_under_pp4_and_in_one_process(
     pp_dp_results: list[dict[str, Any]], pp4_results: list[dict[str, Any]], checkpoint_dir: Path
 ) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    saved: dict[str, torch.Tensor] = {}
-    for result in pp_dp_results:
-        saved.update(result["saved"])
-    for rank, result in enumerate(pp4_results):  # each pp=4 stage loaded its part exactly
-        assert result["loaded"], rank
-        for key, value in result["loaded"].items():
-            assert torch.equal(value, saved[key]), (rank, key)
+    _check_loads_exactly(pp_dp_results, pp4_results, "saved", "loaded", checkpoint_dir / "pp_dp")
     for result in pp4_results:
         assert result["direct_call"].startswith("a pipelined model runs whole steps: call loss")
-    whole = _build("gpt")  # one process, no process group: the full state dict
-    state = whole.state_dict()
-    dcp.load(state, checkpoint_id=str(checkpoint_dir / "pp_dp"))
-    assert set(state) == set(saved)
-    for key, value in state.items():
-        assert torch.equal(value, saved[key]), key
 
 
 @pytest.mark.timeout(700)
@@ -290,21 +298,8 @@ def test_a_checkpoint_of_zero3_sharded_stages_loads_exactly_under_pp4_and_in_one
     pp_dp_results: list[dict[str, Any]], pp4_results: list[dict[str, Any]], checkpoint_dir: Path
 ) -> None:
     """pp=2 x zero3=2 saves each stage's shards through DCP under the model's names."""
-    import torch.distributed.checkpoint as dcp
-
-    saved: dict[str, torch.Tensor] = {}
-    for result in pp_dp_results:
-        saved.update(result["saved_zero3"])
-    for rank, result in enumerate(pp4_results):
-        assert result["loaded_zero3"], rank
-        for key, value in result["loaded_zero3"].items():
-            assert torch.equal(value, saved[key]), (rank, key)
-    whole = _build("gpt")
-    state = whole.state_dict()
-    dcp.load(state, checkpoint_id=str(checkpoint_dir / "pp_zero3"))
-    assert set(state) == set(saved)
-    for key, value in state.items():
-        assert torch.equal(value, saved[key]), key
+    directory = checkpoint_dir / "pp_zero3"
+    _check_loads_exactly(pp_dp_results, pp4_results, "saved_zero3", "loaded_zero3", directory)
 
 
 def _mismatch_job() -> str:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from lamina.session import Runtime
 
 #: What may follow each leading strategy on the other axes.
-FOLLOWERS: dict[str, tuple[str, ...]] = {"tp": ("zero3", "hsdp"), "pp": ("zero3", "hsdp")}
+FOLLOWERS: dict[str, tuple[str, ...]] = {"tp": ("zero3", "hsdp"), "pp": ("zero3",)}
 #: Plan node kinds an earlier strategy's plan adds to the composed one.
 _CARRIED_KINDS = ("collective", "send", "recv")
 
