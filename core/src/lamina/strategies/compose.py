@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -30,6 +29,7 @@ from lamina.memory.whole_step import WholeStepGather
 from lamina.runtime import ExecutionPlan
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
 from lamina.strategies.extension import extend_class
+from lamina.strategies.pp.module import PipelinedModule, Pipelining
 from lamina.strategies.registry import get_strategy
 from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 
@@ -112,18 +112,11 @@ def distribute_composed(
 
 class PipelinedComposedModule(ComposedModule):
     """A pipelined model whose stages a sharding strategy holds: the pipeline's own
-    methods, which span every stage, come before the sharded model's."""
+    methods, which span every stage and shard, come before the sharded model's."""
 
-    lamina_pp: Any
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the whole model's gradient norm (every stage, every shard) to ``max_norm``."""
-        norm: torch.Tensor = self.lamina_pp.engine.clip_grad_norm_(max_norm)
-        return norm
-
-    def step_summary(self) -> str:
-        """The cut, one stage per line."""
-        return "\n".join(self.lamina_pp.lines)
+    lamina_pp: Pipelining
+    clip_grad_norm_ = PipelinedModule.clip_grad_norm_
+    step_summary = PipelinedModule.step_summary
 
 
 def _gather_stages_per_step(model: nn.Module) -> None:
