@@ -69,6 +69,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="pp: zero3 shards each stage over the other ranks (pp x zero3) instead of "
         "replicating it",
     )
+    p.add_argument(
+        "--pp-tp",
+        type=int,
+        default=1,
+        help="pp: tensor-parallel degree inside each stage (pp x tp; with --pp-shard zero3, "
+        "3-D)",
+    )
     p.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128, help="characters per sequence")
@@ -145,8 +152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
     if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
         p.error("--batch-size must be a multiple of --pp-microbatches")
-    if args.pp_shard != "none" and args.strategy != "pp":
-        p.error("--pp-shard shards pipeline stages: add --strategy pp")
+    if (args.pp_shard != "none" or args.pp_tp != 1) and args.strategy != "pp":
+        p.error("--pp-shard and --pp-tp split pipeline stages: add --strategy pp")
     known = [*OWN_CODECS, *codecs()]
     if args.codec not in known:
         p.error(f"--codec {args.codec!r} is unknown; use one of {', '.join(known)}")
@@ -220,18 +227,23 @@ def init_mesh(args: argparse.Namespace) -> object:
     if args.strategy != "pp":
         return "flat"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    stages = args.pp or world
-    if stages < 2 or world % stages:
+    tp = args.pp_tp
+    if tp < 1 or world % tp:
+        raise SystemExit(f"train_gpt: --pp-tp {tp} must divide the {world} rank(s)")
+    stages = args.pp or world // tp
+    if stages < 2 or (world // tp) % stages:
         raise SystemExit(
-            f"train_gpt: --strategy pp needs --pp of at least 2 dividing the {world} rank(s); "
-            "start more ranks or give --pp"
+            f"train_gpt: --strategy pp needs --pp of at least 2 dividing the {world // tp} "
+            "rank(s) per tensor-parallel slice; start more ranks or give --pp"
         )
-    if args.pp_shard != "none" and stages == world:
+    replicas = world // (tp * stages)
+    if args.pp_shard != "none" and replicas == 1:
         raise SystemExit(
             f"train_gpt: --pp-shard {args.pp_shard} shards each stage over the other ranks; "
-            f"give --pp below the {world} rank(s)"
+            f"give --pp x --pp-tp below the {world} rank(s)"
         )
-    return {"pp": stages, "dp": world // stages} if stages < world else {"pp": stages}
+    axes = {"pp": stages, "dp": replicas, "tp": tp}
+    return {axis: size for axis, size in axes.items() if size > 1 or axis == "pp"}
 
 
 def data_replica(rt: lamina.Runtime, strategy: str) -> tuple[int, int]:
@@ -301,8 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "microbatches": args.pp_microbatches,
             }
         strategy: str | list[str] = args.strategy
-        if args.pp_shard != "none":  # the stages sharded over dp, gathered once per step
-            strategy = [args.strategy, args.pp_shard]
+        if args.pp_tp > 1 or args.pp_shard != "none":
+            # each stage's layers split over tp; its stages sharded over dp, gathered once
+            # per step
+            tp = ["tp"] if args.pp_tp > 1 else []
+            shard = [args.pp_shard] if args.pp_shard != "none" else []
+            strategy = [args.strategy, *tp, *shard]
         try:
             model = lamina.distribute(net, strategy=strategy, **options)
         except ConfigError as exc:

@@ -1,7 +1,8 @@
 """Pipeline parallelism (``pp``): the chain of blocks cut into stages, each schedule
-training as one process does on pp=2 x dp=2, pp=2 x zero3=2 and pp=4, the pre-flight
-check naming a send whose recv does not match, and DCP checkpoints resumed on another
-pipeline degree."""
+training as one process does on pp=2 x dp=2, pp=2 x zero3=2, pp=4 and pp=2 x tp=2 x dp=2
+(tensor parallelism inside the stages, ZeRO-3 or replicas over dp), the pre-flight check
+naming a send whose recv does not match, and DCP checkpoints resumed on another pipeline
+degree."""
 
 from __future__ import annotations
 
@@ -93,12 +94,11 @@ def _train_once(
             opt.zero_grad(set_to_none=True)
         want = parts[replica].item()
         loss_errors.append(abs(loss.item() - want) / abs(want))
-    named = dict(reference.named_parameters(remove_duplicate=False))
-    mine = {  # a shard's whole parameter: gathered over the ranks holding its stage
-        n: p.full_tensor() if isinstance(p, DTensor) else p
-        for n, p in ours.named_parameters(remove_duplicate=False)
+    named = reference.state_dict()
+    mine = {  # a shard's or a tp slice's whole tensor: gathered over the ranks holding it
+        n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in ours.state_dict().items()
     }
-    diff = max((named[n].detach() - p.detach()).abs().max().item() for n, p in mine.items())
+    diff = max((named[n] - t).abs().max().item() for n, t in mine.items())
     plan = ours.execution_plan  # type: ignore[union-attr]
     phases = ours.lamina_pp.engine.last_phases  # type: ignore[union-attr]
     return {
@@ -107,7 +107,7 @@ def _train_once(
         "params": diff,
         "stages": ours.stages,  # type: ignore[union-attr]
         "strategy": plan.strategy,
-        "names": sorted(mine),
+        "names": sorted(n for n, _ in ours.named_parameters(remove_duplicate=False)),
         "phases": (phases.schedule_s, phases.compute_s, phases.gradient_sync_s),
     }
 
@@ -163,6 +163,14 @@ PP_ZERO3_CASES = [
     ("llama", "1f1b", "sgd"),
     ("llama", "zbv", "adamw"),
 ]
+#: 3-D, on pp=2 x dp=2 x tp=2 (8 ranks): tensor parallelism inside each stage, the
+#: stages sharded by ZeRO-3 over dp or replicated there; every schedule once.
+PP_TP_CASES = [
+    (("pp", "tp", "zero3"), "gpt", "1f1b", "adamw"),
+    (("pp", "tp", "zero3"), "llama", "zbv", "adamw"),
+    (("pp", "tp"), "gpt", "interleaved1f1b", "sgd"),
+    (("pp", "tp"), "llama", "gpipe", "sgd"),
+]
 PP4_CASES = [
     ("gpt", "interleaved1f1b", "adamw"),
     ("gpt", "gpipe", "sgd"),
@@ -182,11 +190,23 @@ def _pp_dp_job(directory: str) -> dict[str, Any]:
     return out
 
 
+def _pp_tp_job(directory: str) -> dict[str, Any]:
+    runtime = lamina.init(mesh={"pp": 2, "dp": 2, "tp": 2})
+    out: dict[str, Any] = {
+        f"{'+'.join(c)}/{n}/{s}/{o}": _train_once(runtime, n, s, o, list(c))
+        for c, n, s, o in PP_TP_CASES
+    }
+    out["saved"] = _save("gpt", f"{directory}/pp_tp_zero3", ["pp", "tp", "zero3"])
+    lamina.shutdown()
+    return out
+
+
 def _pp4_job(directory: str) -> dict[str, Any]:
     runtime = lamina.init(mesh={"pp": 4})
     out: dict[str, Any] = {f"{n}/{s}/{o}": _train_once(runtime, n, s, o) for n, s, o in PP4_CASES}
     out |= _load("gpt", f"{directory}/pp_dp")
     out["loaded_zero3"] = _load("gpt", f"{directory}/pp_zero3")["loaded"]
+    out["loaded_3d"] = _load("gpt", f"{directory}/pp_tp_zero3")["loaded"]
     lamina.shutdown()
     return out
 
@@ -204,7 +224,17 @@ def pp_dp_results(checkpoint_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def pp4_results(pp_dp_results: list[dict[str, Any]], checkpoint_dir: Path) -> list[dict[str, Any]]:
+def pp_tp_results(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
+    return run_ranks(_pp_tp_job, 8, args=(str(checkpoint_dir),), env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pp4_results(
+    pp_dp_results: list[dict[str, Any]],
+    pp_tp_results: list[dict[str, Any]],
+    checkpoint_dir: Path,
+) -> list[dict[str, Any]]:
     env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
     return run_ranks(_pp4_job, 4, args=(str(checkpoint_dir),), env=env, timeout=600)
 
@@ -245,6 +275,21 @@ def test_pp_by_zero3_trains_as_one_process(
     _check(pp_dp_results, key, strategy="pp+zero3")
     for result in pp_dp_results:
         assert all(isinstance(n, str) and not n.startswith("_") for n in result[key]["names"])
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize(("strategies", "name", "schedule", "optimizer"), PP_TP_CASES)
+def test_pp_by_tp_with_or_without_zero3_trains_as_one_process(
+    pp_tp_results: list[dict[str, Any]],
+    strategies: tuple[str, ...],
+    name: str,
+    schedule: str,
+    optimizer: str,
+) -> None:
+    """pp=2 x dp=2 x tp=2: each stage's layers split over tp (tensor-parallel slices
+    gathered whole for the comparison), the stages sharded over dp or replicated there."""
+    label = "+".join(strategies)
+    _check(pp_tp_results, f"{label}/{name}/{schedule}/{optimizer}", strategy=label)
 
 
 @pytest.mark.timeout(700)
@@ -300,6 +345,17 @@ def test_a_checkpoint_of_zero3_sharded_stages_loads_exactly_under_pp4_and_in_one
     """pp=2 x zero3=2 saves each stage's shards through DCP under the model's names."""
     directory = checkpoint_dir / "pp_zero3"
     _check_loads_exactly(pp_dp_results, pp4_results, "saved_zero3", "loaded_zero3", directory)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_a_3d_checkpoint_loads_exactly_under_pp4_and_in_one_process(
+    pp_tp_results: list[dict[str, Any]], pp4_results: list[dict[str, Any]], checkpoint_dir: Path
+) -> None:
+    """pp=2 x tp=2 x zero3=2 saves each stage's whole-tensor views (tp slices of zero3
+    shards) through DCP under the model's names."""
+    directory = checkpoint_dir / "pp_tp_zero3"
+    _check_loads_exactly(pp_tp_results, pp4_results, "saved", "loaded_3d", directory)
 
 
 def _mismatch_job() -> str:
@@ -361,6 +417,19 @@ def test_schedules_by_name_and_their_bubble() -> None:
     assert bubble_fraction(schedule_kind("1f1b"), 4, 4, 1) == pytest.approx(3 / 7)
     interleaved = bubble_fraction(schedule_kind("interleaved1f1b"), 4, 4, 2)
     assert interleaved == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("names", [["tp", "pp"], ["pp", "zero3", "tp"], ["pp", "hsdp"]])
+def test_strategies_composed_in_an_order_lamina_does_not_run_are_one_line(
+    names: list[str],
+) -> None:
+    from lamina.strategies.compose import _check_order
+
+    with pytest.raises(ConfigError) as err:
+        _check_order(names)
+    message = str(err.value)
+    assert "\n" not in message and str(names) in message
+    assert "['pp', 'tp', 'zero3']" in message  # the orders that do compose
 
 
 def test_a_model_without_a_chain_of_blocks_is_one_line() -> None:

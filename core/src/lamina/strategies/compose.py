@@ -1,16 +1,19 @@
 """Strategies composed on one mesh, each on its own axes: :func:`distribute_composed`.
 
-``lamina.distribute(model, ["tp", "zero3"])`` applies the strategies in order: ``tp``
-splits the layers across its axis, then ``zero3`` (or ``hsdp``) shards the split
-parameters' local tensors over the other axes, as FSDP2 does for tensor-parallel
-parameters, broadcasting only over its own groups. ``["pp", "zero3"]`` cuts the model
-into stages along ``pp``, then shards each rank's stages over the other axes: a
-pipelined step gathers them once for all its microbatches and reduce-scatters the summed
-gradients after the last (:mod:`lamina.memory.whole_step`), and the follower verifies
-its plan among the ranks holding the same stages. Each strategy plans, verifies across
-ranks and sets up as it does alone (:func:`~lamina.strategies.wrap_pipeline.distribute_with`);
-the composed model's plan holds every strategy's collectives and transfers, each on its
-axes.
+``lamina.distribute(model, ["tp", "zero3"])``: ``tp`` splits the layers across its axis,
+then ``zero3`` (or ``hsdp``) shards the split parameters' local tensors over the other
+axes, as FSDP2 does for tensor-parallel parameters, broadcasting only over its own
+groups. ``["pp", "zero3"]`` cuts the model into stages along ``pp``, then shards each
+rank's stages over the other axes: a pipelined step gathers them once for all its
+microbatches and reduce-scatters the summed gradients after the last
+(:mod:`lamina.memory.whole_step`), and the sharder verifies its plan among the ranks
+holding the same stages. ``["pp", "tp"]`` and ``["pp", "tp", "zero3"]`` (3-D) split each
+stage's layers over ``tp`` too: ``tp`` is applied first, since the cut is found from a
+forward of the whole (split) model, then ``pp``, then the sharder (:data:`APPLY_ORDER`);
+without a sharder the pipelines replicate over the axes left. Each strategy plans,
+verifies across ranks and sets up as it does alone
+(:func:`~lamina.strategies.wrap_pipeline.distribute_with`); the composed model's plan
+holds every strategy's collectives and transfers, each on its axes.
 """
 
 from __future__ import annotations
@@ -36,8 +39,21 @@ from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 if TYPE_CHECKING:
     from lamina.session import Runtime
 
-#: What may follow each leading strategy on the other axes.
-FOLLOWERS: dict[str, tuple[str, ...]] = {"tp": ("zero3", "hsdp"), "pp": ("zero3",)}
+#: The compositions lamina runs, as the user names them: a leading strategy, then the
+#: strategies on the other axes.
+COMPOSITIONS: tuple[tuple[str, ...], ...] = (
+    ("tp", "zero3"),
+    ("tp", "hsdp"),
+    ("pp", "zero3"),
+    ("pp", "tp"),
+    ("pp", "tp", "zero3"),
+)
+#: The order they are applied in: ``tp`` splits the layers first (``pp`` cuts the split
+#: model from one of its forwards, which needs the whole model), then ``pp`` prunes each
+#: rank to its stages, then ``zero3`` / ``hsdp`` shards what is left.
+APPLY_ORDER = ("tp", "pp", "zero3", "hsdp")
+#: The strategies that shard parameters over the axes the others leave.
+SHARDERS = ("zero3", "hsdp")
 #: Plan node kinds an earlier strategy's plan adds to the composed one.
 _CARRIED_KINDS = ("collective", "send", "recv")
 
@@ -60,7 +76,9 @@ class ComposedModule(nn.Module):
             for node in plan.nodes
             if node.kind in _CARRIED_KINDS
         )
-        names = "+".join((*(p.strategy for p in self.lamina_composed), inner.strategy))
+        names = self.__dict__.get(DISTRIBUTED_WITH) or "+".join(
+            (*(p.strategy for p in self.lamina_composed), inner.strategy)
+        )
         metas = tuple(item for plan in self.lamina_composed for item in plan.meta)
         return replace(
             inner,
@@ -78,34 +96,43 @@ def distribute_composed(
     placement: Mapping[str, Placement] | None,
     options: Mapping[str, Any],
 ) -> nn.Module:
-    """``model`` distributed by ``names`` in order (see the module)."""
+    """``model`` distributed by ``names`` (see the module)."""
     chosen = [get_strategy(n, runtime.plugins) for n in names]
     _check_order([s.name for s in chosen])
-    leader, follower = chosen
-    if leader.name == "pp":  # one gather per step serves every microbatch: keep it
+    named = {s.name for s in chosen}
+    sharder = next((s for s in chosen if s.name in SHARDERS), None)
+    if "pp" in named and sharder is not None:  # one gather per step serves every microbatch
         options = {"reshard_after_forward": False, **options}
     settings = _route_options(chosen, options)
     where = _placements(chosen, runtime.mesh, placement)
-    # stages differ by design: the follower's plans agree among the ranks of one stage
-    axes = (*where[follower.name].shard, *where[follower.name].replicate)
-    verify_group = runtime.mesh.group_over(axes)[0] if leader.name == "pp" else None
-    held = distribute_with(leader, model, runtime, where[leader.name], settings[leader.name])
-    plans = (held.execution_plan,)
-    held = distribute_with(
-        follower,
-        held,
-        runtime,
-        where[follower.name],
-        settings[follower.name],
-        over=held.__dict__.get(DISTRIBUTED_WITH),
-        verify_group=verify_group,
-    )
-    _attach_views(held, runtime.mesh, where[follower.name])
-    if leader.name == "pp":
-        _gather_stages_per_step(held)
-        held = extend_class(held, PipelinedComposedModule, {}, "lamina_composed", plans)
+    held, plans, over = model, [], None
+    for strategy in sorted(chosen, key=lambda s: APPLY_ORDER.index(s.name)):
+        verify_group = None
+        if strategy is sharder and "pp" in named:
+            # stages differ by design: the sharder's plans agree among one stage's ranks
+            place = where[strategy.name]
+            verify_group = runtime.mesh.group_over((*place.shard, *place.replicate))[0]
+        held = distribute_with(
+            strategy,
+            held,
+            runtime,
+            where[strategy.name],
+            settings[strategy.name],
+            over=over,
+            verify_group=verify_group,
+        )
+        plans.append(held.execution_plan)
+        over = held.__dict__.get(DISTRIBUTED_WITH)
+    if sharder is not None and "tp" in named:
+        _attach_views(held, runtime.mesh, where["tp"].shard[0], where[sharder.name])
+    earlier = tuple(plans[:-1])
+    if "pp" in named:
+        _pipeline_over_splits(held)
+        if sharder is not None:
+            _gather_stages_per_step(held)
+        held = extend_class(held, PipelinedComposedModule, {}, "lamina_composed", earlier)
     else:
-        held = extend_class(held, ComposedModule, {}, "lamina_composed", plans)
+        held = extend_class(held, ComposedModule, {}, "lamina_composed", earlier)
     held.__dict__[DISTRIBUTED_WITH] = "+".join(s.name for s in chosen)
     return held
 
@@ -126,7 +153,7 @@ def _gather_stages_per_step(model: nn.Module) -> None:
     pipelining.engine.sharding = WholeStepGather(sharding.engine)
 
 
-def _attach_views(model: nn.Module, mesh: DeviceMesh, sharded: Placement) -> None:
+def _attach_views(model: nn.Module, mesh: DeviceMesh, tp_axis: str, sharded: Placement) -> None:
     """Tensor parallelism's whole-tensor state-dict views placed beside the sharded
     strategy's mesh (collective: the combined meshes' groups)."""
     tp = model.__dict__.get("lamina_tp")
@@ -134,16 +161,25 @@ def _attach_views(model: nn.Module, mesh: DeviceMesh, sharded: Placement) -> Non
     if tp is None or sharded_mesh is None:
         return
     axes = tuple(a for a in mesh.axis_names if a in (*sharded.shard, *sharded.replicate))
-    tp_axis = next(a for a in mesh.axis_names if a not in axes)
     tp.views.attach(mesh.torch_mesh, tp_axis, sharded_mesh, axes)
 
 
+def _pipeline_over_splits(model: nn.Module) -> None:
+    """The pipeline's gradient norm counts each tensor-parallel slice once and each
+    parameter the tp ranks replicate once (tp composed before ``pp``)."""
+    tp = model.__dict__.get("lamina_tp")
+    if tp is not None:
+        engine = model.__dict__["lamina_pp"].engine
+        engine.tensor_split = frozenset(tp.views.splits)
+        engine.tensor_size = tp.group.size
+
+
 def _check_order(names: list[str]) -> None:
-    if len(names) != 2 or names[1] not in FOLLOWERS.get(names[0], ()):
-        pairs = ", ".join(f"{[lead, f]}" for lead, fs in FOLLOWERS.items() for f in fs)
+    if tuple(names) not in COMPOSITIONS:
+        listed = ", ".join(str(list(c)) for c in COMPOSITIONS)
         raise ConfigError(
-            f"strategies {names} do not compose; compose a leading strategy with a "
-            f"sharding one on the other mesh axes: {pairs}"
+            f"strategies {names} do not compose; compose a leading strategy with those on "
+            f"the other mesh axes, in this order: {listed}"
         )
 
 
@@ -168,30 +204,37 @@ def _route_options(
 def _placements(
     chosen: list[Strategy], mesh: DeviceMesh, given: Mapping[str, Placement] | None
 ) -> dict[str, Placement]:
-    """Each strategy's axes: as given, else ``tp`` on its axis and the follower on the
-    rest (``zero3`` shards them all; ``hsdp`` shards the innermost, replicates the
-    others); every mesh axis must be placed once."""
+    """Each strategy's axes: as given, else ``pp`` and ``tp`` on their own axis and the
+    sharder on the rest (``zero3`` shards them all; ``hsdp`` shards the innermost,
+    replicates the others); with no sharder, ``pp`` replicates over the rest. Every mesh
+    axis must be placed once."""
     given = dict(given or {})
     unknown = [n for n in given if n not in {s.name for s in chosen}]
     if unknown:
         raise ConfigError(f"placement names strategy {unknown[0]!r}, which is not composed here")
-    first, follower = chosen
-    # the leader takes its own axes only: the follower syncs the others
-    leading = given.get(first.name) or Placement(shard=first.default_placement(mesh).shard)
-    where = {first.name: leading}
-    used = set(where[first.name].shard) | set(where[first.name].replicate)
+    sharder = next((s for s in chosen if s.name in SHARDERS), None)
+    # a leading strategy takes its own axis only: the sharder syncs the others
+    where = {
+        s.name: given.get(s.name) or Placement(shard=s.default_placement(mesh).shard)
+        for s in chosen
+        if s is not sharder
+    }
+    used = {a for p in where.values() for a in (*p.shard, *p.replicate)}
     rest = tuple(a for a in mesh.axis_names if a not in used)
-    if not rest:
+    if sharder is not None and not rest:
         raise ConfigError(
-            f"strategy {first.name!r} takes every mesh axis {list(mesh.axis_names)}; give "
-            f"{follower.name!r} an axis: lamina.init(mesh={{'fsdp': N, 'tp': M}})"
+            f"strategies {list(where)} take every mesh axis {list(mesh.axis_names)}; give "
+            f"{sharder.name!r} an axis: lamina.init(mesh={{'fsdp': N, 'tp': M}})"
         )
-    if follower.name in given:
-        where[follower.name] = given[follower.name]
-    elif follower.name == "hsdp" and len(rest) > 1:
-        where[follower.name] = Placement(shard=rest[-1:], replicate=rest[:-1])
+    if sharder is None:
+        if rest and "pp" not in given:  # the pipelines replicate over the data axes
+            where["pp"] = Placement(shard=where["pp"].shard, replicate=rest)
+    elif sharder.name in given:
+        where[sharder.name] = given[sharder.name]
+    elif sharder.name == "hsdp" and len(rest) > 1:
+        where[sharder.name] = Placement(shard=rest[-1:], replicate=rest[:-1])
     else:
-        where[follower.name] = Placement(shard=rest)
+        where[sharder.name] = Placement(shard=rest)
     named = [a for p in where.values() for a in (*p.shard, *p.replicate)]
     if sorted(named) != sorted(mesh.axis_names):
         described = {n: p.describe() for n, p in where.items()}

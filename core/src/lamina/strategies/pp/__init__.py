@@ -87,9 +87,10 @@ class PipelineStrategy(Strategy):
         kind = schedule_kind(options.schedule)
         axis = placement.shard[0]
         torch_mesh = ctx.mesh.torch_mesh
+        replicate = [ctx.mesh.axis_names.index(a) for a in placement.replicate]
         layout = PipelineLayout.of(
             torch_mesh.mesh, ctx.mesh.axis_names.index(axis), kind, options.virtual_stages,
-            ctx.rank,
+            ctx.rank, replicate,
         )  # fmt: skip
         args, kwargs = _microbatch(options, options.microbatches, ctx.device)
 
@@ -117,26 +118,34 @@ class PipelineStrategy(Strategy):
         stage_params = [sum(p.numel() for p in own.values()) for own in owners]
         replica_axis = "+".join(placement.replicate) or "world"
         # pp averages the pipelines only over the axes it replicates: composed, the
-        # strategy on the other axes syncs them
-        replicas = len(layout.pipelines) if placement.replicate else 1
+        # strategies on the other axes split (tp) or sync (zero3) there
+        replica_group = None
+        replicas = 1
+        if placement.replicate:
+            replica_group, replica_ranks = ctx.mesh.group_over(placement.replicate)
+            replicas = len(replica_ranks)
+        # the whole model from the first rank of the ranks it spans (its own axis and
+        # those it replicates over: a strategy applied before, tp, holds the others)
+        spanned = (axis, *placement.replicate)
+        setup_group, setup_ranks = ctx.mesh.group_over(spanned)
         plan = build_pipeline_plan(
             cut, layout, options.microbatches, activations, stage_params, tie_facts,
             dtype_totals(list(state)), replica_axis, ctx.world_size,
             str(dist.get_backend()) if dist.is_initialized() else "gloo", lines, axis,
-            replicas,
+            replicas, (setup_ranks, ctx.mesh.axes_label(spanned)),
         )  # fmt: skip
         return PlannedStep(
             model,
             plan,
             (("pipeline_cut", tuple(lines)),),
-            SetupBroadcast(state, 0, None),  # the whole model, before it is cut
-            (chain, cut, layout, options, tie_facts, lines, replicas),
+            SetupBroadcast(state, setup_ranks[0], setup_group),  # before it is cut
+            (chain, cut, layout, options, tie_facts, lines, replica_group),
             leading_manifest=(("pipeline_transfers", tuple(_transfer_lines(chain, cut, layout))),),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model pruned to this rank's stages, with ``step`` running the schedule."""
-        chain, cut, layout, options, tie_facts, lines, replicas = planned.inputs
+        chain, cut, layout, options, tie_facts, lines, replica_group = planned.inputs
         assert isinstance(chain, BlockChain) and isinstance(cut, StageCut)
         assert isinstance(layout, PipelineLayout)
         model = planned.module
@@ -144,10 +153,6 @@ class PipelineStrategy(Strategy):
         names_of = {names[0]: tuple(names) for names, _param in _tied(model)}
         runners = build_stages(model, chain, [cut.spans[s] for s in mine])
         pipeline_group = _group_for(layout.pipelines, layout.rank)
-        replica_group = None
-        if replicas > 1:
-            columns = [layout.replicas_at(i) for i in range(layout.size)]
-            replica_group = _group_for(columns, layout.rank)
         ties = []
         for name, _numel, holders in tie_facts:
             pranks = sorted({layout.holder(s) for s in holders})

@@ -166,7 +166,10 @@ def _block_inputs(
         def hook(_m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
             seen[name] = _fresh((args, kwargs))
 
-        handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+        block = model.get_submodule(name)
+        # before any other pre-hook (tensor parallelism's slicing of the first block's
+        # input): running the block again applies those hooks once
+        handles.append(block.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
     try:
         with preserved(model), torch.no_grad():
             run()

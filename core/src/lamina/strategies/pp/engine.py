@@ -107,6 +107,10 @@ class PipelineEngine:
     last_phases: StepPhases | None = None
     #: Shards the stages over the other axes (None: each rank holds its stages whole).
     sharding: StepSharding | None = None
+    #: Parameters tensor parallelism splits (by name), and its degree (``tp`` composed
+    #: before ``pp``: the other parameters are whole on every tp rank).
+    tensor_split: frozenset[str] = frozenset()
+    tensor_size: int = 1
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -179,24 +183,32 @@ class PipelineEngine:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every stage's gradients so that the whole model's gradient norm (as
         ``torch.nn.utils.clip_grad_norm_`` computes it in one process, a tied weight
-        once) is at most ``max_norm``; that norm before scaling. Sharded stages: each
-        rank's shards, summed over the whole job (each shard counted once)."""
+        once) is at most ``max_norm``; that norm before scaling. Each rank sums its
+        pieces' squares (a stage's whole parameters, tensor-parallel slices, shards),
+        each divided by the number of ranks holding that same piece, over the job."""
         skipped = {id(t.param_in(self.model)) for t in self.ties if not t.counted_here}
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.params:
+        for name, p in self.model.named_parameters():
             if p.grad is not None and id(p) not in skipped:
-                squares += _local(p.grad).detach().float().pow(2).sum()
-        if self.sharding is None:
-            dist.all_reduce(squares, group=self.pipeline_group)
-        else:  # every rank holds other shards; HSDP's replicas hold the same ones
-            squares /= self.sharding.replicas
-            dist.all_reduce(squares)
+                square = _local(p.grad).detach().float().pow(2).sum()
+                squares += square / self._copies(name)
+        dist.all_reduce(squares)
         total = squares.sqrt()
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.params:
             if p.grad is not None:
                 _local(p.grad).mul_(scale.to(p.grad.dtype))
         return total
+
+    def _copies(self, name: str) -> int:
+        """Ranks holding the same piece of parameter ``name`` as this one: the replicas
+        (pipelines, or a sharder's replica axes), times the tensor-parallel ranks where
+        they hold it whole."""
+        if self.sharding is not None:
+            replicas = self.sharding.replicas
+        else:
+            replicas = 1 if self.replica_group is None else dist.get_world_size(self.replica_group)
+        return replicas * (1 if name in self.tensor_split else self.tensor_size)
 
     @contextmanager
     def _whole_parameters(self, train: bool) -> Iterator[StepSharding | None]:
@@ -303,9 +315,8 @@ class PipelineEngine:
 
     @property
     def _replica_index(self) -> int:
-        """This rank's pipeline among the replicas (its rank in the replica group, whose
-        ranks are in pipeline order)."""
-        return self.layout.pipelines.index(self.layout.pipeline)
+        """This rank's place among the pipelines replicating its stages."""
+        return dist.get_rank(self.replica_group)
 
     def _average_replicas(self) -> None:
         group = self.replica_group

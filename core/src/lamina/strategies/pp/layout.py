@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +22,31 @@ class PipelineLayout:
     virtual_stages: int
     rank: int
 
+    #: The job's ranks partitioned into the groups that replicate one stage's state (the
+    #: pp placement's replicate axes; one rank a group when it replicates over none).
+    replica_sets: tuple[tuple[int, ...], ...] = ()
+
     @classmethod
     def of(
-        cls, mesh: torch.Tensor, axis_index: int, schedule: ScheduleKind, virtual: int, rank: int
+        cls,
+        mesh: torch.Tensor,
+        axis_index: int,
+        schedule: ScheduleKind,
+        virtual: int,
+        rank: int,
+        replicate: Sequence[int] | None = None,
     ) -> PipelineLayout:
-        """From the mesh's rank array and the index of its pp axis."""
+        """From the mesh's rank array, the index of its pp axis and of the axes the
+        pipelines replicate over (None: every other axis)."""
         moved = mesh.movedim(axis_index, -1).reshape(-1, mesh.shape[axis_index])
         pipelines = tuple(tuple(int(r) for r in row) for row in moved.tolist())
-        return cls(pipelines, schedule, virtual, rank)
+        dims = range(mesh.dim())
+        over = [d for d in dims if d != axis_index] if replicate is None else list(replicate)
+        order = [d for d in dims if d not in over] + over
+        width = math.prod(mesh.shape[d] for d in over)
+        grouped = mesh.permute(*order).reshape(-1, width)
+        sets = tuple(tuple(int(r) for r in row) for row in grouped.tolist())
+        return cls(pipelines, schedule, virtual, rank, sets)
 
     @property
     def size(self) -> int:
@@ -58,6 +77,7 @@ class PipelineLayout:
         return self.schedule.rank_of_stage(stage, self.size)
 
     def replicas_at(self, pipeline_rank: int) -> tuple[int, ...]:
-        """Global ranks holding the same stages as ``pipeline_rank`` (its data-parallel
-        group across pipelines)."""
-        return tuple(p[pipeline_rank] for p in self.pipelines)
+        """Global ranks holding the same state as this pipeline's ``pipeline_rank``
+        (its data-parallel group across pipelines), in mesh order."""
+        rank = self.pipeline[pipeline_rank]
+        return next(s for s in self.replica_sets if rank in s)

@@ -44,14 +44,17 @@ def build_pipeline_plan(
     lines: Sequence[str],
     pp_axis: str = "pp",
     replicas: int | None = None,
+    setup_over: tuple[tuple[int, ...], str] | None = None,
 ) -> ExecutionPlan:
     """The plan (see the module). ``activations``: (shape per microbatch, dtype, element
     size) crossing each cut, in order; ``stage_params``: parameter elements per stage; ``ties``:
     (name, elements, stages holding it) of tied weights; ``setup``: the setup broadcast's
     elements by dtype; ``pp_axis``: the mesh axis the pipeline runs along; ``replicas``:
     the pipelines whose gradients pp averages (None: all of them; 1: none, a strategy
-    composed on the other axes syncs them)."""
-    nodes = broadcast_nodes("setup", setup, tuple(range(world)), "world") if world > 1 else []
+    composed on the other axes syncs them); ``setup_over``: the ranks (and their axes)
+    the setup broadcast goes over (None: every rank)."""
+    ranks, axes = setup_over or (tuple(range(world)), "world")
+    nodes = broadcast_nodes("setup", setup, ranks, axes) if len(ranks) > 1 else []
     edges: list[tuple[str, str]] = []
     count = len(cut.spans)
 

@@ -104,9 +104,11 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
     if plan.sequence_parallel:
         handles += _apply_sequence(model, plan, tp)
 
-    def forget(_m: nn.Module, _a: Any, _out: Any) -> None:
+    def forget(*_: Any) -> None:
         entered.prepared.clear()
 
+    # cleared when a forward starts too: a pipeline stage's forward ends by an exception
+    handles.append(model.register_forward_pre_hook(forget))
     handles.append(model.register_forward_hook(forget))
     names = {
         name: done[id(p)]

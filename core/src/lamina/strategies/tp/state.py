@@ -42,6 +42,13 @@ class ParamSplit:
     full_shape: tuple[int, ...]
 
 
+def _own_slice(mesh: TorchDeviceMesh, dims: tuple[str, ...]) -> TorchDeviceMesh:
+    """This rank's sub-mesh over ``dims`` (the whole mesh when it has no other dim)."""
+    if len(dims) == mesh.ndim:
+        return mesh
+    return mesh[dims]
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, run = [], 1
     for size in reversed(shape):
@@ -80,12 +87,22 @@ class GlobalViews:
         z_dims = [names.index(a) for a in sharded_axes]
         z_shape = tuple(sharded.mesh.shape)
         z_names = tuple(sharded.mesh_dim_names or ())
-        first = grid.permute(tp_dim, *z_dims).reshape(self.tp.size, *z_shape)
-        last = grid.permute(*z_dims, tp_dim).reshape(*z_shape, self.tp.size)
+        # the axes of neither (a pipeline's) lead, and this rank's slice of them is kept
+        rest = [d for d in range(grid.dim()) if d != tp_dim and d not in z_dims]
+        rest_shape = [grid.shape[d] for d in rest]
+        rest_names = tuple(names[d] for d in rest)
+        first = grid.permute(*rest, tp_dim, *z_dims).reshape(*rest_shape, self.tp.size, *z_shape)
+        last = grid.permute(*rest, *z_dims, tp_dim).reshape(*rest_shape, *z_shape, self.tp.size)
         device = root.device_type
         self.combined[z_names] = (
-            TorchDeviceMesh(device, first, mesh_dim_names=(tp_axis, *z_names)),
-            TorchDeviceMesh(device, last, mesh_dim_names=(*z_names, tp_axis)),
+            _own_slice(
+                TorchDeviceMesh(device, first, mesh_dim_names=(*rest_names, tp_axis, *z_names)),
+                (tp_axis, *z_names),
+            ),
+            _own_slice(
+                TorchDeviceMesh(device, last, mesh_dim_names=(*rest_names, *z_names, tp_axis)),
+                (*z_names, tp_axis),
+            ),
         )
 
     # saving
