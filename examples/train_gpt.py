@@ -73,8 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--pp-tp",
         type=int,
         default=1,
-        help="pp: tensor-parallel degree inside each stage (pp x tp; with --pp-shard zero3, "
-        "3-D)",
+        help="pp: tensor-parallel degree inside each stage (pp x tp; with --pp-shard zero3, 3-D)",
     )
     p.add_argument("--max-steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
