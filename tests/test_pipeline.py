@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 import lamina
 from lamina.errors import ConfigError, VerificationError
 from lamina.strategies.pp.chain import find_chain
-from lamina.strategies.pp.cut import BlockCosts, cut_stages
+from lamina.strategies.pp.cut import BlockCosts, cut_stages, measure_costs
 from lamina.strategies.pp.schedules import bubble_fraction, schedule_kind
 from lamina.testing import run_ranks
 from models_for_tests import GPT, GPTConfig, tiny_llama
@@ -170,6 +170,8 @@ PP_TP_CASES = [
     (("pp", "tp", "zero3"), "llama", "zbv", "adamw"),
     (("pp", "tp"), "gpt", "interleaved1f1b", "sgd"),
     (("pp", "tp"), "llama", "gpipe", "sgd"),
+    # HSDP on the two other axes: shards over tp's, replicas over dp
+    (("pp", "hsdp"), "gpt", "zbv", "adamw"),
 ]
 PP4_CASES = [
     ("gpt", "interleaved1f1b", "adamw"),
@@ -410,6 +412,32 @@ def test_the_cut_balances_measured_costs_and_split_points_override_it() -> None:
         cut_stages(chain, 9, costs)
 
 
+def test_a_v_schedules_cut_balances_each_ranks_stages_together() -> None:
+    """ZBV's V puts stages 0 and 3 (the prefix, and the head's cost) on rank 0: the cut
+    balances the ranks' sums, not each stage alone."""
+    model = _build("gpt")
+    x = _ids(0)[:2]
+    chain = find_chain(model, lambda: model(x))
+    costs = BlockCosts((1.0,) * 8, rest=4.0)
+    alone = cut_stages(chain, 4, costs)
+    assert [s.start for s in alone.spans] == [0, 2, 4, 7]  # rank 0 busy 2 + 5, rank 1 2 + 3
+    v = cut_stages(chain, 4, costs, holders=[0, 1, 1, 0])
+    assert [s.start for s in v.spans] == [0, 1, 2, 7]
+    seconds = v.seconds
+    assert seconds[0] + seconds[3] == seconds[1] + seconds[2] == 6.0
+    assert cut_stages(chain, 2, costs, holders=[0, 1]).spans == cut_stages(chain, 2, costs).spans
+
+
+def test_blocks_alike_are_timed_alike() -> None:
+    """The GPT's 8 blocks are one kind: each costs their median, so that noise between
+    equal blocks does not pick the cut."""
+    model = _build("gpt")
+    x = _ids(0)[:2]
+    chain = find_chain(model, lambda: model(x))
+    costs = measure_costs(model, chain, lambda: model(x), runs=1)
+    assert len(costs.blocks) == 8 and len(set(costs.blocks)) == 1 and costs.blocks[0] > 0
+
+
 def test_schedules_by_name_and_their_bubble() -> None:
     assert schedule_kind("1F1B").name == "1f1b"
     with pytest.raises(ConfigError, match="gpipe"):
@@ -419,7 +447,7 @@ def test_schedules_by_name_and_their_bubble() -> None:
     assert interleaved == pytest.approx(3 / 11)
 
 
-@pytest.mark.parametrize("names", [["tp", "pp"], ["pp", "zero3", "tp"], ["pp", "hsdp"]])
+@pytest.mark.parametrize("names", [["tp", "pp"], ["pp", "zero3", "tp"], ["hsdp", "pp"]])
 def test_strategies_composed_in_an_order_lamina_does_not_run_are_one_line(
     names: list[str],
 ) -> None:

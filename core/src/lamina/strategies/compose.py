@@ -3,8 +3,8 @@
 ``lamina.distribute(model, ["tp", "zero3"])``: ``tp`` splits the layers across its axis,
 then ``zero3`` (or ``hsdp``) shards the split parameters' local tensors over the other
 axes, as FSDP2 does for tensor-parallel parameters, broadcasting only over its own
-groups. ``["pp", "zero3"]`` cuts the model into stages along ``pp``, then shards each
-rank's stages over the other axes: a pipelined step gathers them once for all its
+groups. ``["pp", "zero3"]`` (or ``hsdp``) cuts the model into stages along ``pp``, then shards
+each rank's stages over the other axes: a pipelined step gathers them once for all its
 microbatches and reduce-scatters the summed gradients after the last
 (:mod:`lamina.memory.whole_step`), and the sharder verifies its plan among the ranks
 holding the same stages. ``["pp", "tp"]`` and ``["pp", "tp", "zero3"]`` (3-D) split each
@@ -45,6 +45,7 @@ COMPOSITIONS: tuple[tuple[str, ...], ...] = (
     ("tp", "zero3"),
     ("tp", "hsdp"),
     ("pp", "zero3"),
+    ("pp", "hsdp"),
     ("pp", "tp"),
     ("pp", "tp", "zero3"),
 )

@@ -99,8 +99,11 @@ class PipelineStrategy(Strategy):
 
         chain = find_chain(model, run)
         count = layout.stage_count
+        if dist.is_initialized():  # every rank times its blocks at once, as steps run
+            dist.barrier()
         costs = _agreed(measure_costs(model, chain, run))
-        cut = cut_stages(chain, count, costs, options.split_points)
+        holders = [layout.holder(s) for s in range(count)]
+        cut = cut_stages(chain, count, costs, options.split_points, holders, options.microbatches)
         lines = _describe(chain, cut, layout)
         ties = _tied(model)
         state = tuple(t for t in (*model.parameters(), *model.buffers()) if not t.is_meta)

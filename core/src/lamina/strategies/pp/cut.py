@@ -2,17 +2,24 @@
 the chain split into contiguous stages that balance it (:func:`cut_stages`).
 
 Every block is run a few times on the activation and side inputs it gets in one
-recorded forward (one microbatch); the median forward + backward is its cost. What runs
+recorded forward (one microbatch); the median forward + backward is its cost, and blocks
+alike (class, parameter shapes, input shape) all cost the median of theirs. What runs
 outside the blocks (the prefix and suffix: embeddings, final norm, head, the loss) is
 the whole model's time less the blocks', charged to the last stage, where the head and
 the loss run. The split minimizes the slowest stage, ties broken by the smaller largest
-activation crossing a cut, then by the earlier cut. ``split_points=`` (the blocks that
-begin stages 1, 2, ...) overrides it.
+activation crossing a cut, then by the earlier cut. Where a rank holds several stages
+(interleaved and V schedules), the split minimizes the step those stage times predict,
+``microbatches x busiest rank + (ranks - 1) x slowest stage``, instead: each rank runs
+all its stages per microbatch. ``split_points=`` (the blocks that begin stages 1, 2, ...)
+overrides it. Every rank starts timing at once (a barrier first), as every rank computes
+at once in a step.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +37,10 @@ from lamina.strategies.pp.chain import BlockChain
 from lamina.strategies.pp.stages import StageSpan
 
 #: Timed runs per block (after one warm-up run), of which the median counts.
-TIMED_RUNS = 3
+TIMED_RUNS = 5
+#: The most splits a cut for ranks holding several stages prices one by one (24 blocks
+#: into 4 stages: 1,771; beyond, each stage is balanced alone).
+MAX_SPLITS_TRIED = 50_000
 
 
 @dataclass(frozen=True)
@@ -58,13 +68,33 @@ def measure_costs(
     """Each block's and the rest's forward + backward seconds (median of ``runs``)."""
     inputs = _block_inputs(model, chain, run)
     blocks = []
+    kinds = []
     with preserved(model):
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
             blocks.append(_median_seconds(partial(_fwd_bwd, block, args, kwargs), runs))
+            kinds.append(_kind(block, args))
         whole = _median_seconds(lambda: _backward(run()), runs)
         model.zero_grad(set_to_none=True)
-    return BlockCosts(tuple(blocks), max(whole - sum(blocks), 0.0))
+    return BlockCosts(_alike_equal(blocks, kinds), max(whole - sum(blocks), 0.0))
+
+
+def _kind(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What makes two blocks compute the same: their class, parameter shapes and input
+    shape."""
+    shapes = tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+    first = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
+    return (type(block).__qualname__, shapes, first)
+
+
+def _alike_equal(seconds: Sequence[float], kinds: Sequence[tuple[Any, ...]]) -> tuple[float, ...]:
+    """Each block's time as the median of the blocks of its kind: identical blocks cost
+    the same, and what sets their timings apart is the machine's noise (which would
+    otherwise decide a cut between equal splits)."""
+    by_kind: dict[tuple[Any, ...], list[float]] = {}
+    for value, kind in zip(seconds, kinds, strict=True):
+        by_kind.setdefault(kind, []).append(value)
+    return tuple(statistics.median(by_kind[kind]) for kind in kinds)
 
 
 def cut_stages(
@@ -72,9 +102,13 @@ def cut_stages(
     count: int,
     costs: BlockCosts | None,
     split_points: Sequence[str] | None = None,
+    holders: Sequence[int] | None = None,
+    microbatches: int = 1,
 ) -> StageCut:
     """``count`` stages of ``chain``: from ``split_points`` when given, else balancing
-    ``costs`` (see the module)."""
+    ``costs`` (see the module); ``holders``: the pipeline rank of each stage, when a rank
+    holds several (interleaved and V schedules balance the ranks' sums, over
+    ``microbatches`` per step)."""
     n = len(chain.blocks)
     if count > n:
         raise ConfigError(
@@ -88,6 +122,9 @@ def cut_stages(
         source = "split_points"
     else:
         starts = _balanced_starts(block_costs, rest, count, chain)
+        if holders is not None and len(set(holders)) < count:
+            shared = _rank_balanced_starts(block_costs, rest, list(holders), chain, microbatches)
+            starts = shared or starts
         source = "measured"
     bounds = [*starts, n]
     spans = tuple(StageSpan(i, count, bounds[i], bounds[i + 1]) for i in range(count))
@@ -144,6 +181,37 @@ def _balanced_starts(
                 row[j] = min(options, key=lambda o: (round(o[0], 12), o[1], o[2]))
         best.append(row)
     return list(best[count][n][2])
+
+
+def _rank_balanced_starts(
+    costs: Sequence[float], rest: float, holders: list[int], chain: BlockChain, microbatches: int
+) -> list[int] | None:
+    """Start block of each stage where ranks hold several stages: the split whose step
+    ``microbatches x busiest rank + (ranks - 1) x slowest stage`` is shortest, ties
+    broken by the largest crossing, then the earlier cut. In the steady part of the
+    schedule each rank runs every one of its stages per microbatch, so its sum sets the
+    pace (a V schedule puts the first and the last stage, the prefix and the head, on
+    one rank); filling and draining the pipeline takes a stage per rank. None when the
+    splits are too many to try (every one is priced)."""
+    n, count = len(costs), len(holders)
+    if math.comb(n - 1, count - 1) > MAX_SPLITS_TRIED:
+        return None
+    prefix = torch.tensor([0.0, *itertools.accumulate(costs)], dtype=torch.float64)
+    splits = list(itertools.combinations(range(1, n), count - 1))
+    inner = torch.tensor(splits, dtype=torch.long).reshape(len(splits), count - 1)
+    first = torch.zeros(len(splits), 1, dtype=torch.long)
+    bounds = torch.cat([first, inner, torch.full_like(first, n)], dim=1)
+    stage = prefix[bounds[:, 1:]] - prefix[bounds[:, :-1]]
+    stage[:, -1] += rest
+    ranks = torch.zeros(len(splits), max(holders) + 1, dtype=torch.float64)
+    for index, rank in enumerate(holders):
+        ranks[:, rank] += stage[:, index]
+    crossing = torch.tensor([_bytes(chain, j) for j in range(n)], dtype=torch.float64)
+    step = microbatches * ranks.amax(dim=1) + (ranks.shape[1] - 1) * stage.amax(dim=1)
+    keys = zip(
+        step.round(decimals=12).tolist(), crossing[inner].amax(dim=1).tolist(), splits, strict=True
+    )
+    return [0, *min(keys)[2]]
 
 
 def _bytes(chain: BlockChain, index: int) -> int:
