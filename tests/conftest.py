@@ -42,8 +42,8 @@ def device_backend() -> str:
 
 
 #: The slowest modules, slowest first (seconds of one module's tests alone on 2 cores:
-#: compiled_step 334, emulate 255, checkpoint 149, tensor_parallel 117, pipeline 71,
-#: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-03).
+#: compiled_step 334, emulate 255, checkpoint 149, tensor_parallel 117, pipeline 100,
+#: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-04).
 #: pytest-xdist hands whole modules (``--dist loadfile``) to its workers in collection
 #: order (``--no-loadscope-reorder``, noxfile.py), so these start first and the short
 #: modules fill the gaps: a long module started last would end the session alone. The

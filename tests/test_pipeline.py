@@ -511,8 +511,9 @@ def _pipeline_plan() -> Any:
     model = lamina.distribute(_build("gpt"), "pp", example_inputs=(_ids(0),), schedule="1f1b")
     plan = model.execution_plan  # type: ignore[union-attr]
     held = sum(p.numel() for p in model.parameters())
+    zbv = lamina.distribute(_build("gpt"), "pp", example_inputs=(_ids(0),), schedule="zbv")
     lamina.shutdown()
-    return plan, held
+    return plan, held, zbv.execution_plan  # type: ignore[union-attr]
 
 
 def _even_stages(plan: Any, seconds: float) -> Any:
@@ -567,6 +568,13 @@ def test_the_simulator_runs_the_plans_schedule_with_its_bubble_and_transfers() -
     assert slow.step_s == pytest.approx(slow.pipeline.schedule_s + slow.total_s)
     assert "pipeline schedule (1f1b, 4 microbatches" in slow.report()
     # memory: each rank its stages' parameters, the largest rank's counted
-    assert slow.memory.local_elements == max(held for _, held in results)
+    assert slow.memory.local_elements == max(held for _, held, _ in results)
     assert slow.memory.param_elements == sum(p.numel() for p in _build("gpt").parameters())
     assert "the largest pipeline rank's stages" in slow.report()
+    # ZBV: each backward's weight half fills the gaps; 4 stages of 0.3 s, 2 per rank,
+    # m = 4: 2.4 s of compute per rank in 2.5 s, as torch's own ZBV timetable for p = 2,
+    # m = 4 has one idle slot in 25 (forward, input and weight gradient a slot each)
+    zbv = predict(_even_stages(results[0][2], 0.3), cluster(1e6)).pipeline
+    assert zbv is not None and zbv.schedule == "zbv"
+    assert zbv.schedule_s == pytest.approx(2.5, rel=1e-3)
+    assert zbv.bubble == pytest.approx(0.04, abs=1e-3)

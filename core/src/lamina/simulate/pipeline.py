@@ -10,9 +10,10 @@ the pipelines' sends sharing a host's uplink) and its recv completes with it. Th
 is each rank's time in the schedule spent not computing. The gradient collectives after
 the schedule are priced as every other collective (:mod:`lamina.simulate.timing`).
 
-The plan has one backward node per stage and microbatch, so the zero-bubble schedule's
-split of the backward into input and weight gradients is not simulated: its prediction
-is the 1F1B-like order on its stage placement.
+The plan has one backward node per stage and microbatch; under the zero-bubble schedule
+(ZBV) its first half is the input gradient, which the previous stage waits for, and its
+second half the weight gradient, which nothing waits for: each rank runs those halves in
+the gaps where it would otherwise wait, and what is left at the end of its schedule.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
     finish: dict[str, float] = {}
     free: dict[int, float] = defaultdict(float)
     busy: dict[int, float] = defaultdict(float)
+    schedule = dict(plan.meta).get("schedule", "")
+    # zero bubble: a backward's weight-gradient half waits for nothing downstream, so
+    # each rank runs it in the gaps it would otherwise idle in (and any left at the end)
+    deferred: dict[int, float] = defaultdict(float) if schedule in WEIGHT_SPLIT else {}
     waiting = dict(stages)
     while waiting:
         _settle_transfers(sends, preds, finish, link_s)
@@ -119,23 +124,40 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
                 "each other; the plan's edges do not form a schedule (fix the strategy)"
             )
         (start, *_), node_id = best
-        detail = _stage_compute(waiting.pop(node_id))
+        node = waiting.pop(node_id)
+        detail = _stage_compute(node)
         assert detail is not None and detail.rank is not None and detail.seconds is not None
-        finish[node_id] = start + detail.seconds
-        free[detail.rank] = finish[node_id]
-        busy[detail.rank] += detail.seconds
+        rank, seconds = detail.rank, detail.seconds
+        if schedule in WEIGHT_SPLIT:
+            filled = min(deferred[rank], start - free[rank])
+            deferred[rank] -= filled
+            busy[rank] += filled
+            if node.kind == "backward":  # its input-gradient half now, weights later
+                seconds /= 2
+                deferred[rank] += seconds
+        finish[node_id] = start + seconds
+        free[rank] = finish[node_id]
+        busy[rank] += seconds
+    ends = [free[r] + deferred.get(r, 0.0) for r in free]
+    for rank, left in deferred.items():
+        busy[rank] += left
     largest = max(
         (t.detail.nbytes for t in sends.values() if isinstance(t.detail, Transfer)), default=0
     )
     return PipelinePrediction(
-        schedule=dict(plan.meta).get("schedule", ""),
+        schedule=schedule,
         microbatches=len({d.microbatch for n in stages.values() if (d := _stage_compute(n))}),
-        schedule_s=max(finish.values(), default=0.0),
+        schedule_s=max([*finish.values(), *ends], default=0.0),
         compute_s=tuple(busy[r] for r in sorted(busy)),
         transfer_bytes=largest,
         transfer_s=link_s(largest) if largest else 0.0,
         axis=axis,
     )
+
+
+#: Schedules that split each backward into its input gradient, sent on at once, and its
+#: weight gradient, run when the rank would idle.
+WEIGHT_SPLIT = ("zbv",)
 
 
 def pipeline_axis(plan: ExecutionPlan) -> str:

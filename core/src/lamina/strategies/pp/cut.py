@@ -70,11 +70,13 @@ def measure_costs(
     blocks = []
     kinds = []
     with preserved(model):
+        # the whole model first, then each block: ranks timing at once start together,
+        # so both see the same contention for a shared machine
+        whole = _median_seconds(lambda: _backward(run()), runs)
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
             blocks.append(_median_seconds(partial(_fwd_bwd, block, args, kwargs), runs))
             kinds.append(_kind(block, args))
-        whole = _median_seconds(lambda: _backward(run()), runs)
         model.zero_grad(set_to_none=True)
     return BlockCosts(_alike_equal(blocks, kinds), max(whole - sum(blocks), 0.0))
 
