@@ -99,9 +99,9 @@ class PipelineStrategy(Strategy):
 
         chain = find_chain(model, run)
         count = layout.stage_count
-        if dist.is_initialized():  # every rank times its blocks at once, as steps run
-            dist.barrier()
-        costs = _agreed(measure_costs(model, chain, run))
+        # every rank times each block at once, as every rank computes at once in a step
+        together = dist.barrier if dist.is_initialized() else lambda: None
+        costs = _agreed(measure_costs(model, chain, run, together=together))
         holders = [layout.holder(s) for s in range(count)]
         cut = cut_stages(chain, count, costs, options.split_points, holders, options.microbatches)
         lines = _describe(chain, cut, layout)

@@ -11,8 +11,8 @@ activation crossing a cut, then by the earlier cut. Where a rank holds several s
 (interleaved and V schedules), the split minimizes the step those stage times predict,
 ``microbatches x busiest rank + (ranks - 1) x slowest stage``, instead: each rank runs
 all its stages per microbatch. ``split_points=`` (the blocks that begin stages 1, 2, ...)
-overrides it. Every rank starts timing at once (a barrier first), as every rank computes
-at once in a step.
+overrides it. Every rank starts each timed run at once (a barrier first), as every rank
+computes at once in a step.
 """
 
 from __future__ import annotations
@@ -63,19 +63,26 @@ class StageCut:
 
 
 def measure_costs(
-    model: nn.Module, chain: BlockChain, run: Callable[[], Any], runs: int = TIMED_RUNS
+    model: nn.Module,
+    chain: BlockChain,
+    run: Callable[[], Any],
+    runs: int = TIMED_RUNS,
+    together: Callable[[], Any] = lambda: None,
 ) -> BlockCosts:
-    """Each block's and the rest's forward + backward seconds (median of ``runs``)."""
+    """Each block's and the rest's forward + backward seconds (median of ``runs``);
+    ``together`` (a barrier across the ranks timing at once) starts every timed run, so
+    that every rank times the same work at the same time, as in a step where every rank
+    computes: on devices the ranks share (CPU cores), each is then timed at the share of
+    the device it gets in a step."""
     inputs = _block_inputs(model, chain, run)
     blocks = []
     kinds = []
     with preserved(model):
-        # the whole model first, then each block: ranks timing at once start together,
-        # so both see the same contention for a shared machine
-        whole = _median_seconds(lambda: _backward(run()), runs)
+        whole = _median_seconds(lambda: _backward(run()), runs, together)
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
-            blocks.append(_median_seconds(partial(_fwd_bwd, block, args, kwargs), runs))
+            timed = partial(_fwd_bwd, block, args, kwargs)
+            blocks.append(_median_seconds(timed, runs, together))
             kinds.append(_kind(block, args))
         model.zero_grad(set_to_none=True)
     return BlockCosts(_alike_equal(blocks, kinds), max(whole - sum(blocks), 0.0))
@@ -279,10 +286,11 @@ def _backward(out: Any) -> None:
         sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
 
 
-def _median_seconds(fn: Callable[[], None], runs: int) -> float:
+def _median_seconds(fn: Callable[[], None], runs: int, together: Callable[[], Any]) -> float:
     fn()  # warm-up
     times = []
     for _ in range(runs):
+        together()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
