@@ -5,8 +5,8 @@ Every block is run a few times on the activation and side inputs it gets in one
 recorded forward (one microbatch); the median forward + backward is its cost, and blocks
 alike (class, parameter shapes, input shape) all cost the median of theirs. What runs
 outside the blocks (the prefix and suffix: embeddings, final norm, head, the loss) is
-the whole model's time less the blocks', charged to the last stage, where the head and
-the loss run. The split minimizes the slowest stage, ties broken by the smaller largest
+timed as the whole model with every block handing its input on, and charged to the last
+stage, where the head and the loss run. The split minimizes the slowest stage, ties broken by the smaller largest
 activation crossing a cut, then by the earlier cut. Where a rank holds several stages
 (interleaved and V schedules), the split minimizes the step those stage times predict,
 ``microbatches x busiest rank + (ranks - 1) x slowest stage``, instead: each rank runs
@@ -22,7 +22,8 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -78,14 +79,33 @@ def measure_costs(
     blocks = []
     kinds = []
     with preserved(model):
-        whole = _median_seconds(lambda: _backward(run()), runs, together)
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
             timed = partial(_fwd_bwd, block, args, kwargs)
             blocks.append(_median_seconds(timed, runs, together))
             kinds.append(_kind(block, args))
+        with _blocks_skipped(model, chain):
+            rest = _median_seconds(lambda: _backward(run()), runs, together)
         model.zero_grad(set_to_none=True)
-    return BlockCosts(_alike_equal(blocks, kinds), max(whole - sum(blocks), 0.0))
+    return BlockCosts(_alike_equal(blocks, kinds), rest)
+
+
+@contextmanager
+def _blocks_skipped(model: nn.Module, chain: BlockChain) -> Iterator[None]:
+    """The model with every block handing its input on unchanged (as a stage skips the
+    blocks other ranks run): a forward and backward of it times the rest directly."""
+    blocks = [model.get_submodule(name) for name in chain.blocks]
+
+    def skip(x: Any, *_args: Any, **_kwargs: Any) -> Any:
+        return x
+
+    for block in blocks:
+        block.forward = skip  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
 
 
 def _kind(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
