@@ -6,13 +6,13 @@ recorded forward (one microbatch); the median forward + backward is its cost, an
 alike (class, parameter shapes, input shape) all cost the median of theirs. What runs
 outside the blocks (the prefix and suffix: embeddings, final norm, head, the loss) is
 timed as the whole model with every block handing its input on, and charged to the last
-stage, where the head and the loss run. The split minimizes the slowest stage, ties broken by the smaller largest
-activation crossing a cut, then by the earlier cut. Where a rank holds several stages
-(interleaved and V schedules), the split minimizes the step those stage times predict,
-``microbatches x busiest rank + (ranks - 1) x slowest stage``, instead: each rank runs
-all its stages per microbatch. ``split_points=`` (the blocks that begin stages 1, 2, ...)
-overrides it. Every rank starts each timed run at once (a barrier first), as every rank
-computes at once in a step.
+stage, where the head and the loss run. The split minimizes the slowest stage, ties
+broken by the smaller largest activation crossing a cut, then by the earlier cut. Where
+a rank holds several stages (interleaved and V schedules), the split minimizes the step
+those stage times predict, ``microbatches x busiest rank + (ranks - 1) x slowest
+stage``, instead: each rank runs all its stages per microbatch. ``split_points=`` (the
+blocks that begin stages 1, 2, ...) overrides it. Every rank starts each timed run at
+once (a barrier first), as every rank computes at once in a step.
 """
 
 from __future__ import annotations
