@@ -15,7 +15,8 @@ schedule's formula (``lamina.strategies.pp.schedules.bubble_fraction``), and the
 simulator's (``lamina.simulate.predict`` on the plan, on this machine's loopback), and
 the idle time beyond the formula per schedule action (forward, backward, and ZBV's
 weight gradient, on each of the rank's stages for each microbatch), which the formula
-counts as zero: the schedule's own work and each transfer's latency::
+counts as zero: the schedule's own work and each transfer's latency, beside the
+measured one-way time of one activation between the two ranks::
 
     python benchmarks/pipeline_bubble.py     # re-launches under torchrun, 2 ranks
 """
@@ -74,10 +75,30 @@ def _simulated_bubble(model: Any) -> float:
     return float(prediction.pipeline.bubble)
 
 
+def _transfer_ms(nbytes: int, reps: int = 30) -> float:
+    """Median one-way time of one activation between the two ranks (half a ping-pong
+    of ``nbytes``), in ms: what each send/recv pair of the schedule costs at the least."""
+    buffer = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        times.append((time.perf_counter() - started) / 2)
+    return statistics.median(times[1:]) * 1e3
+
+
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     runtime = lamina.init(mesh={"pp": 2})
     example = batch(0)[0]
+    activation = BATCH // args.microbatches * SEQ * WIDTH * 4  # fp32 per microbatch
+    transfer_ms = _transfer_ms(activation)
     models = {
         name: lamina.distribute(
             build(),
@@ -114,12 +135,19 @@ def run(args: argparse.Namespace) -> None:
     gathered: list[Any] = [None] * runtime.world_size
     dist.all_gather_object(gathered, (mine, step_median))
     if runtime.is_main:
-        _report(args, gathered, models)
+        _report(args, gathered, models, activation, transfer_ms)
     lamina.shutdown()
 
 
-def _report(args: argparse.Namespace, gathered: list[Any], models: dict[str, Any]) -> None:
+def _report(
+    args: argparse.Namespace,
+    gathered: list[Any],
+    models: dict[str, Any],
+    activation: int,
+    transfer_ms: float,
+) -> None:
     rows: dict[str, dict[str, Any]] = {}
+    print(f"one activation ({activation:,} B) between the ranks: {transfer_ms:.2f} ms one way")
     print(f"{'schedule':<16} {'measured':>9} {'per rank':>15} {'formula':>8} {'off':>7} "
           f"{'simulated':>9} {'step ms':>8} {'ms/action':>9}")  # fmt: skip
     for name in SCHEDULES:
@@ -158,6 +186,8 @@ def _report(args: argparse.Namespace, gathered: list[Any], models: dict[str, Any
             "model": {"width": WIDTH, "layers": LAYERS, "vocab": VOCAB, "seq": SEQ},
             "global_batch": BATCH,
             "microbatches": args.microbatches,
+            "activation_bytes": activation,
+            "transfer_ms_one_way": transfer_ms,
             "rounds": args.rounds,
             "steps_per_round": args.steps,
             "schedules": rows,
