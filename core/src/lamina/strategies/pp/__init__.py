@@ -101,7 +101,7 @@ class PipelineStrategy(Strategy):
         count = layout.stage_count
         # every rank times each block at once, as every rank computes at once in a step
         together = dist.barrier if dist.is_initialized() else lambda: None
-        costs = _agreed(measure_costs(model, chain, run, together=together))
+        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together))
         holders = [layout.holder(s) for s in range(count)]
         cut = cut_stages(chain, count, costs, options.split_points, holders, options.microbatches)
         lines = _describe(chain, cut, layout)

@@ -37,7 +37,8 @@ from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain
 from lamina.strategies.pp.stages import StageSpan
 
-#: Timed runs per block (after one warm-up run), of which the median counts.
+#: Timed runs per block (after one warm-up run), of which the median counts (the
+#: default of ``PipelineOptions.timing_runs``).
 TIMED_RUNS = 5
 #: The most splits a cut for ranks holding several stages prices one by one (24 blocks
 #: into 4 stages: 1,771; beyond, each stage is balanced alone).

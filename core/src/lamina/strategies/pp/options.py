@@ -8,6 +8,7 @@ from typing import Any
 
 from lamina.errors import ConfigError
 from lamina.strategies.contract import StrategyOptions
+from lamina.strategies.pp.cut import TIMED_RUNS
 from lamina.strategies.pp.schedules import schedule_kind
 
 
@@ -20,7 +21,9 @@ class PipelineOptions(StrategyOptions):
     ``microbatches``: how many the batch is split into (on dim 0). ``schedule``: ``gpipe``,
     ``1f1b``, ``interleaved1f1b`` or ``zbv``. ``virtual_stages``: stages per rank of the
     interleaved schedule (``zbv`` always holds 2). ``split_points``: the blocks that begin
-    stages 1, 2, ... instead of the measured cut.
+    stages 1, 2, ... instead of the measured cut. ``timing_runs``: timed runs of each
+    block (after a warm-up) whose median is its cost: more for a steadier cut on a noisy
+    machine, 1 to plan fast.
     """
 
     example_inputs: tuple[Any, ...] | None = None
@@ -29,6 +32,7 @@ class PipelineOptions(StrategyOptions):
     schedule: str = "1f1b"
     virtual_stages: int = 2
     split_points: Sequence[str] | None = None
+    timing_runs: int = TIMED_RUNS
 
     def __post_init__(self) -> None:
         if self.example_inputs is None and self.example_kwargs is None:
@@ -41,7 +45,7 @@ class PipelineOptions(StrategyOptions):
                 f"example_inputs must be a tuple, got {type(self.example_inputs).__name__}; "
                 "pass a single input as (x,)"
             )
-        for name in ("microbatches", "virtual_stages"):
+        for name in ("microbatches", "virtual_stages", "timing_runs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
