@@ -48,10 +48,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
         "--strategy",
-        choices=("dp", "zero3", "hsdp", "pp"),
+        choices=("dp", "zero3", "hsdp", "pp", "auto"),
         default="dp",
         help="hsdp shards inside each fast domain of the topology (LAMINA_TOPOLOGY declares "
-        "one); pp cuts the model into --pp stages, replicated over the other ranks",
+        "one); pp cuts the model into --pp stages, replicated over the other ranks; auto "
+        "chooses among them (and tp) from predicted step time and memory, on the "
+        "topology's hosts x ranks mesh, the global batch --batch-size x ranks",
     )
     p.add_argument("--pp", type=int, default=None, help="pp: pipeline stages (default: every rank)")
     p.add_argument(
@@ -221,7 +223,7 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
 def init_mesh(args: argparse.Namespace) -> object:
     """The mesh the strategy runs on: HSDP the topology's inter x intra, pp its stages
     times the replicas, the others the flat one."""
-    if args.strategy == "hsdp":
+    if args.strategy in ("hsdp", "auto"):
         return "topology"
     if args.strategy != "pp":
         return "flat"
@@ -245,9 +247,17 @@ def init_mesh(args: argparse.Namespace) -> object:
     return {axis: size for axis, size in axes.items() if size > 1 or axis == "pp"}
 
 
-def data_replica(rt: lamina.Runtime, strategy: str) -> tuple[int, int]:
+def pipelined(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs a pipeline schedule (``model.step``) rather than a forward."""
+    return "lamina_pp" in model.__dict__
+
+
+def data_replica(rt: lamina.Runtime, strategy: str, model: torch.nn.Module) -> tuple[int, int]:
     """(index, count) of the data replicas: under pp the ranks of one pipeline share a
-    batch, so each pipeline is one replica; else each rank is one."""
+    batch, so each pipeline is one replica; under auto, what it chose says; else each
+    rank is one."""
+    if strategy == "auto":
+        return model.lamina_auto.replica  # type: ignore[union-attr, return-value]
     if strategy != "pp":
         return rt.rank, rt.world_size
     if "dp" not in rt.mesh.axis_names:
@@ -277,7 +287,7 @@ def evaluate(
     total = 0.0
     for _ in range(args.eval_batches):
         x, y = sample_batch(corpus.val, args.batch_size, args.seq_len, generator)
-        if args.strategy == "pp":  # every rank of the pipeline runs its stages
+        if pipelined(model):  # every rank of the pipeline runs its stages
             total += float(model.evaluate(x.to(device), y.to(device), lm_loss))  # type: ignore[operator]
         else:
             total += float(lm_loss(model(x.to(device)), y.to(device)))
@@ -305,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options: dict[str, object] = {}
         if args.strategy == "dp":
             options = {"example_inputs": (example,), **codec_options(args)}
+        elif args.strategy == "auto":  # timed on one rank's batch: the global batch is its ranks'
+            options = {"example_inputs": (example,)}
         elif args.strategy == "pp":
             options = {
                 "example_inputs": (example,),
@@ -337,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         windows = window_count(corpus.train, args.seq_len)
-        replica, replicas = data_replica(rt, args.strategy)
+        replica, replicas = data_replica(rt, args.strategy, model)
+        if args.strategy == "auto":  # one replica's batch: the ranks' rows over the replicas
+            args.batch_size = args.batch_size * rt.world_size // replicas
         if windows < args.batch_size * replicas:
             raise SystemExit(
                 f"train_gpt: the corpus holds {windows} windows of {args.seq_len} tokens, "
@@ -387,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 x, y = window_batch(corpus.train, sampler.next_batch(), args.seq_len)
                 if compiled is not None:  # forward to the optimizer's update, one graph
                     loss = compiled(x.to(rt.device), y.to(rt.device))
-                elif args.strategy == "pp":  # the schedule runs the microbatches
+                elif pipelined(model):  # the schedule runs the microbatches
                     optimizer.zero_grad(set_to_none=True)
                     loss = model.step(x.to(rt.device), y.to(rt.device), lm_loss)  # type: ignore[operator]
                     if args.grad_clip > 0:

@@ -64,16 +64,20 @@ RANKS: dict[str, int] = {
     "strategies": 4,
     "session": 4,
     "simulate": 4,
-    # 5: distribute(), and checkpoints (which look up the running session)
-    "api": 5,
+    # 5: the automatic choice (lamina.distribute(model, "auto")): measures the model,
+    # predicts and ranks every strategy, and hands the choice to the distribute() it is
+    # given; checkpoints (which look up the running session)
+    "auto": 5,
     "checkpoint": 5,
-    # 6: the public API, lamina/__init__.py
-    "__init__": 6,
-    # 7: tools that run on the public API (the collective benchmarks)
-    "bench": 7,
-    # 8: the top: the command line and the test harness with the conformance kit
-    "cli": 8,
-    "testing": 8,
+    # 6: distribute()
+    "api": 6,
+    # 7: the public API, lamina/__init__.py
+    "__init__": 7,
+    # 8: tools that run on the public API (the collective benchmarks)
+    "bench": 8,
+    # 9: the top: the command line and the test harness with the conformance kit
+    "cli": 9,
+    "testing": 9,
 }
 
 

@@ -39,6 +39,10 @@ def distribute(
     strategy's own: ``dp`` replicates over every axis, ``zero3`` shards over every axis,
     ``hsdp`` shards over ``intra`` and replicates over ``inter``).
 
+    ``"auto"`` chooses the strategy, its placement and codec from predicted step time
+    and memory (:mod:`lamina.auto`; its options: :class:`lamina.auto.AutoOptions`, with
+    ``example_inputs`` required); ``model.lamina_auto`` says what it chose and why.
+
     A list composes strategies, each on its own mesh axes
     (:mod:`lamina.strategies.compose`): ``["tp", "zero3"]`` on
     ``lamina.init(mesh={"fsdp": 2, "tp": 2})``; each keyword goes to the strategies that
@@ -51,6 +55,17 @@ def distribute(
             f"{runtime.world_size}; call lamina.init() with mesh='flat' or a mesh shape whose "
             "product is the world size"
         )
+    from lamina.auto.choose import auto_requested, distribute_auto, forced_options
+
+    if auto_requested(strategy):
+        if placement is not None:
+            raise ConfigError(
+                "strategy 'auto' chooses the placement itself; drop placement= (or name the "
+                "strategy to place it by hand)"
+            )
+        if strategy != "auto":  # lamina plan --auto: the script's own strategy is overridden
+            options = forced_options(options)
+        return distribute_auto(distribute, model, runtime, options, _declared_cluster())
     if not isinstance(strategy, str):
         given = placement if isinstance(placement, Mapping) else None
         return distribute_composed(model, list(strategy), runtime, given, options)
@@ -64,6 +79,20 @@ def distribute(
     where = placement if placement is not None else chosen.default_placement(runtime.mesh)
     where.check(runtime.mesh, chosen.name)
     return distribute_with(chosen, model, runtime, where, settings)
+
+
+def _declared_cluster() -> Any:
+    """The cluster ``lamina plan --simulate CLUSTER --auto`` ranks for (None: the job)."""
+    import os
+
+    from lamina.envvars import AUTO_CLUSTER_ENV
+
+    path = os.environ.get(AUTO_CLUSTER_ENV)
+    if not path:
+        return None
+    from lamina.simulate import load_cluster
+
+    return load_cluster(path)
 
 
 def compile_step(

@@ -14,6 +14,12 @@ before the first collective:
   totals are costed on the simulated world size. ``--mesh fsdp=512,tp=8`` (or the
   cluster file's ``"mesh"``) sizes the simulated mesh axes the plan's collectives run on
   (tensor parallelism's ``tp`` inside hosts, ``fsdp`` over the rest).
+- ``lamina plan --auto``: ``lamina.distribute`` chooses as ``"auto"`` does, whatever
+  strategy the script names (:mod:`lamina.auto`), and the ranking is printed (candidate,
+  predicted step time and memory per rank, why each rejected one was rejected) before
+  the chosen plan; with ``--simulate CLUSTER.json`` the candidates are ranked for the
+  declared cluster (its mesh, links and device memory; compute timed here) and nothing
+  is distributed.
 - ``lamina verify``: the ranks run the pre-flight cross-rank verification and exit; it
   prints OK or the difference.
 """
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from lamina.cli.exit_status import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
 from lamina.cli.run import LaunchPlan, check_backend, launch
-from lamina.envvars import BACKEND_ENV, VERIFY_TIMEOUT_ENV
+from lamina.envvars import AUTO_CLUSTER_ENV, AUTO_ENV, BACKEND_ENV, VERIFY_TIMEOUT_ENV
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, explain
 
@@ -104,9 +110,17 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.mesh is not None:  # overrides the file's "mesh"
             cluster = with_mesh(cluster, parse_mesh_option(args.mesh), "--mesh", "mesh")
         args.nproc_per_node = max(SIMULATE_RANKS, args.nproc_per_node)
+    env: dict[str, str] = {}
+    if args.auto:
+        env[AUTO_ENV] = "1"
+        if args.simulate is not None:
+            env[AUTO_CLUSTER_ENV] = str(Path(args.simulate).resolve())
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
         runner = ["--stop", "plan", "--out", tmp]
-        status = _launch(args, runner, quiet_dir=Path(tmp) / "logs")
+        status = _launch(args, runner, env, quiet_dir=Path(tmp) / "logs")
+        ranked = Path(tmp) / "ranking.json"
+        if args.auto and status == 0 and ranked.is_file():
+            return _print_ranking(args, json.loads(ranked.read_text()), None)
         if status == NO_PLAN_STATUS:
             raise ConfigError(
                 "the script finished without building an execution plan; it must call "
@@ -118,6 +132,15 @@ def plan_command(args: argparse.Namespace) -> int:
         plans = read_plans(Path(tmp), args.nproc_per_node)
     first = plans[0]
     differing = [r for r, p in enumerate(plans) if p.fingerprint != first.fingerprint]
+    if args.auto:
+        recorded = dict(first.meta).get("auto_ranking")
+        if recorded is None:
+            raise ConfigError(
+                "lamina plan --auto: the plan carries no ranking; the script's "
+                "lamina.distribute call did not run the automatic choice"
+            )
+        status = _print_ranking(args, json.loads(recorded), first)
+        return 1 if differing else status
     if cluster is not None:
         from lamina.simulate import predict
 
@@ -144,6 +167,27 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         print(f"\n{agree}")
     return 1 if differing else 0
+
+
+def _print_ranking(
+    args: argparse.Namespace, ranking: dict[str, Any], plan: ExecutionPlan | None
+) -> int:
+    """``lamina plan --auto``'s output: the ranking, then the chosen plan."""
+    from lamina.auto.ranking import render_ranking
+
+    if args.json:
+        out: dict[str, Any] = {"ranking": ranking}
+        if plan is not None:
+            out["plan"] = json.loads(plan.to_json())
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    where = f" --simulate {args.simulate}" if args.simulate else ""
+    print(f"lamina plan --auto{where}: {args.script}")
+    print(render_ranking(ranking))
+    if plan is not None:
+        print(f"\nthe chosen plan ({ranking['chosen']}):")
+        print(explain(plan))
+    return 0
 
 
 def verify_command(args: argparse.Namespace) -> int:
@@ -175,6 +219,13 @@ def add_plan_parsers(subparsers: Any) -> None:
         metavar="CLUSTER.json",
         help="predict the step's communication time and per-rank memory on the declared "
         "cluster (up to 4096 devices; format in docs/simulate.md)",
+    )
+    plan.add_argument(
+        "--auto",
+        action="store_true",
+        help="choose the strategy as lamina.distribute(model, 'auto') does (whatever the "
+        "script names) and print the ranking of the candidates; with --simulate, rank them "
+        "for the declared cluster",
     )
     plan.add_argument(
         "--mesh",

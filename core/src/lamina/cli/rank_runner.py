@@ -9,6 +9,9 @@ strategy the script wraps its model with plans, then raises
 check, for ``verify``), which this runner turns into the plan file or the verdict:
 
 - ``plan``: rank 0 writes ``DIR/plan.json``, rank r ``DIR/plan.rank<r>.json``; exit 0;
+- ``plan`` under ``lamina plan --simulate CLUSTER --auto``: ``"auto"`` ranks its
+  candidates for the declared cluster and distributes nothing; rank 0 writes
+  ``DIR/ranking.json``; exit 0;
 - ``verify``: rank 0 prints ``lamina verify: OK: ...``; exit 0; a difference prints one
   line per rank and exits :data:`VERIFY_FAILED_STATUS`;
 - a script that ends without planning exits :data:`NO_PLAN_STATUS`.
@@ -17,6 +20,7 @@ check, for ``verify``), which this runner turns into the plan file or the verdic
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import sys
@@ -46,6 +50,16 @@ def write_plan(plan: ExecutionPlan, folder: str, rank: int) -> Path:
     return path
 
 
+def write_ranking(data: dict[str, object], folder: str) -> Path:
+    """Write ``ranking.json`` (the candidates ``"auto"`` ranked) into ``folder``."""
+    path = Path(folder) / "ranking.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lamina.cli.rank_runner")
     parser.add_argument("--stop", choices=("plan", "verify"), required=True)
@@ -64,8 +78,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     request_stop(args.stop)
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, str(Path(args.script).resolve().parent))
+    from lamina.auto.choose import RankedOnly
+
     try:
         runpy.run_path(args.script, run_name="__main__")
+    except RankedOnly as ranked:
+        if rank == 0 and args.out:
+            write_ranking(ranked.ranking.to_json(), args.out)
+        _finish(0)
     except StopBeforeFirstCollective as stop:
         if args.stop == "plan":
             write_plan(stop.plan, args.out, rank)

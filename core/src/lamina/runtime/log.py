@@ -165,6 +165,9 @@ class RunLog:
             f"step {record.step}: {done}/{len(planned)} planned collectives, "
             f"{sum(record.issued.values())} issued, {format_bytes(record.nbytes)}"
         ]
+        chosen = dict(self.plan.meta).get("auto")
+        if chosen:
+            parts.append(f"auto chose {chosen}")
         plan_taken = Counter(
             f"{f.primary} -> {f.alternative}" for f in self.plan.fallbacks if f.taken
         )

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -42,6 +44,19 @@ if TYPE_CHECKING:
 
 #: Set on every distributed model (its ``__dict__``): the strategy's name.
 DISTRIBUTED_WITH = "lamina_distributed_with"
+#: Plan ``meta`` items every plan set up inside :func:`extra_plan_meta` carries.
+_EXTRA_META: list[tuple[str, str]] = []
+
+
+@contextmanager
+def extra_plan_meta(items: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Every plan set up inside the block carries ``items`` in its ``meta`` (how
+    ``"auto"`` records its choice in the plan of the strategy it chose)."""
+    _EXTRA_META.extend(items)
+    try:
+        yield
+    finally:
+        del _EXTRA_META[len(_EXTRA_META) - len(items) :]
 
 
 def distribute_with(
@@ -85,6 +100,10 @@ def set_up(
 ) -> PlannedStep:
     """``planned`` after stop-or-verify (across ``group``'s ranks; None: every rank) and
     the setup broadcast, with its pre-flight report and run log filled in."""
+    if _EXTRA_META:
+        held = dict(planned.plan.meta)
+        meta = tuple(sorted((*planned.plan.meta, *(i for i in _EXTRA_META if i[0] not in held))))
+        planned = replace(planned, plan=replace(planned.plan, meta=meta))
     report = before_first_collective(session, planned, planned.module, verify=verify, group=group)
     log = RunLog(planned.plan)
     setup = planned.broadcast

@@ -75,8 +75,10 @@ class PipelinedModule(nn.Module):
         return self.lamina_pp.engine.clip_grad_norm_(max_norm)
 
     def step_summary(self) -> str:
-        """The cut, one stage per line."""
-        return "\n".join(self.lamina_pp.lines)
+        """The cut, one stage per line (after what ``"auto"`` chose, when it did)."""
+        chosen = dict(self.execution_plan.meta).get("auto")
+        lines = [f"auto chose {chosen}"] if chosen else []
+        return "\n".join([*lines, *self.lamina_pp.lines])
 
     def step(
         self,

@@ -146,6 +146,11 @@ def record_forward_order(
     order = [*entered, *(u for u in planned_order if u not in entered)]
     inputs = replace(planned.inputs, forward_order=order, order_source="recorded at step 1")
     plan = plan_z3.build_zero3_plan(inputs)
+    # what was recorded in the planned plan's meta beside the engine (``auto``'s choice)
+    rebuilt = dict(plan.meta)
+    carried = [(k, v) for k, v in sharding.execution_plan.meta if k not in rebuilt]
+    if carried:
+        plan = replace(plan, meta=tuple(sorted((*plan.meta, *carried))))
     sharding.execution_plan = plan
     sharding.run_log.plan = plan
     if verify_again is not None:

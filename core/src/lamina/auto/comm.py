@@ -1,0 +1,400 @@
+"""What each collective a candidate issues costs: :class:`CommCosts`.
+
+Two sources, one interface (``seconds(op, axes, nbytes)``; ``op`` one of :data:`OPS`,
+``axes`` the mesh axes of the group, ``nbytes`` the whole buffer: the tensor an
+all-reduce sums, the unit an all-gather fills, the message a pipeline sends):
+
+- :class:`MeasuredComm` (a running job): every op timed on the job's own groups, at two
+  sizes, every group of those axes at once (as in a step), the slowest rank's median;
+  a straight line through the two points gives the op's latency and seconds per byte on
+  that group (an alpha-beta fit per op and group). The gathers and reduce-scatters run
+  in the form the sharded engines use on this backend
+  (:func:`lamina.runtime.primitives.choose_primitive`); a whole-job all-reduce on
+  several hosts also times the hierarchical algorithm and costs the faster one, as
+  ``dp``'s cost model picks per bucket;
+- :class:`ClusterComm` (a declared cluster, ``lamina plan --simulate``): the formulas of
+  :mod:`lamina.simulate.timing` on the cluster's groups.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lamina.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lamina.comm.layout import HostLayout
+    from lamina.session import Runtime
+    from lamina.simulate.cluster import Cluster
+
+#: ``(nbytes, runs) -> seconds`` of one op on one group.
+Timer = Callable[[int, int], float]
+#: The ops a candidate's step issues.
+OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
+#: Buffer sizes (bytes) each op is timed at.
+FIT_SIZES: tuple[int, int] = (256 << 10, 4 << 20)
+#: Timed calls per size (after a warm-up), of which the median counts.
+FIT_RUNS = 3
+#: Rounds of compute and a blocking collective :func:`measure_skew` times.
+SKEW_ROUNDS = 16
+
+
+class CommCosts(Protocol):
+    """Seconds of one collective on the group over some mesh axes."""
+
+    def seconds(self, op: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """Seconds of ``op`` moving a ``nbytes`` buffer over the group of ``axes``."""
+        ...
+
+    def describe(self) -> list[str]:
+        """Lines saying where the figures come from."""
+        ...
+
+    @property
+    def overlap(self) -> float:
+        """The share of a collective's time compute can hide (0 to 1)."""
+        ...
+
+    @property
+    def skew(self) -> float:
+        """Seconds a blocking collective waits for the last rank, beyond its own time."""
+        ...
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``alpha + beta x bytes`` seconds."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        """The fitted time of ``nbytes``."""
+        return self.alpha + self.beta * nbytes
+
+    @classmethod
+    def through(cls, small: tuple[float, float], large: tuple[float, float]) -> Fit:
+        """The line through two (bytes, seconds) points (never negative)."""
+        (x0, t0), (x1, t1) = small, large
+        beta = max((t1 - t0) / (x1 - x0), 0.0)
+        return cls(max(t0 - beta * x0, 0.0), beta)
+
+
+class MeasuredComm:
+    """Fits timed on the running job (see the module)."""
+
+    def __init__(
+        self,
+        fits: dict[tuple[str, tuple[str, ...]], Fit],
+        sizes: dict[tuple[str, ...], int],
+        overlap: float = 1.0,
+        skew: float = 0.0,
+    ) -> None:
+        self.fits = fits
+        self.sizes = sizes
+        self.overlap = overlap
+        self.skew = skew
+
+    def seconds(self, op: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """Seconds of ``op`` over ``axes`` (0 for a group of one rank)."""
+        if nbytes <= 0 or self.sizes.get(axes, 1) < 2:
+            return 0.0
+        options = [f for (o, a), f in self.fits.items() if a == axes and o.split(":")[0] == op]
+        if not options:
+            raise ConfigError(f"no timing of {op} over axes {list(axes)}; calibrate those axes")
+        return min(f.seconds(nbytes) for f in options)
+
+    def describe(self) -> list[str]:
+        """One line per fitted op and group, and the overlap measured."""
+        return [
+            f"communication hidden behind compute: {self.overlap:.0%}, a blocking "
+            f"collective's wait for the last rank: {self.skew * 1e3:.2f} ms (measured)"
+        ] + [
+            f"{op} over {'+'.join(axes)} ({self.sizes[axes]} ranks): "
+            f"{fit.alpha * 1e6:.0f} us + {fit.beta * 1e9:.3f} ns/B"
+            f" ({1 / fit.beta / 1e9 if fit.beta > 0 else float('inf'):.2f} GB/s)"
+            for (op, axes), fit in sorted(self.fits.items())
+        ]
+
+    @classmethod
+    def calibrate(
+        cls,
+        runtime: Runtime,
+        groups: Iterable[tuple[str, ...]],
+        sizes: tuple[int, int] = FIT_SIZES,
+        runs: int = FIT_RUNS,
+        compute: Callable[[], None] | None = None,
+    ) -> MeasuredComm:
+        """Time every op on the group of each axes tuple of ``groups`` (collective: every
+        rank calls it with the same groups), and the overlap share against ``compute``
+        (the model's forward + backward; default: matrix products)."""
+        from lamina.comm.layout import HostLayout
+
+        mesh = runtime.mesh
+        ordered = sorted({tuple(a for a in mesh.axis_names if a in g) for g in groups})
+        points: list[tuple[str, tuple[str, ...], int, float]] = []
+        group_sizes: dict[tuple[str, ...], int] = {}
+        for axes in ordered:
+            group, ranks = mesh.group_over(axes)
+            group_sizes[axes] = len(ranks)
+            if len(ranks) < 2:
+                continue
+            timers = _op_timers(runtime, group, ranks)
+            if len(axes) == len(mesh.axis_names):
+                layout = HostLayout.of(runtime.topology)
+                if layout.host_count > 1 and layout.per_host > 1:
+                    timers["all_reduce:hierarchical"] = _hierarchical(runtime, layout)
+            for op, timer in timers.items():
+                for nbytes in sizes:
+                    points.append((op, axes, nbytes, timer(nbytes, runs)))
+        slowest = torch.tensor([p[3] for p in points], dtype=torch.float64, device=runtime.device)
+        if dist.is_initialized() and dist.get_world_size() > 1 and points:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.tolist()
+        fits: dict[tuple[str, tuple[str, ...]], Fit] = {}
+        for i in range(0, len(points), 2):
+            op, axes, small, _ = points[i]
+            large = points[i + 1][2]
+            fits[(op, axes)] = Fit.through((small, times[i]), (large, times[i + 1]))
+        whole = tuple(mesh.axis_names)
+        overlap, skew = 1.0, 0.0
+        if runtime.world_size > 1:
+            overlap = measure_overlap(runtime, fits.get(("all_reduce", whole)), runs, compute)
+            skew = measure_skew(runtime, runs)
+        return cls(fits, group_sizes, overlap, skew)
+
+
+def measure_overlap(
+    runtime: Runtime,
+    fit: Fit | None,
+    runs: int = FIT_RUNS,
+    compute: Callable[[], None] | None = None,
+) -> float:
+    """The share of a collective's time the device hides behind compute: ``compute``
+    (the model's forward + backward: its autograd holds the interpreter as a real step
+    does; default: matrix products) timed alone, an all-reduce over the job about as
+    long (sized by its ``fit``) timed alone, then both at once (the collective issued
+    asynchronously first): ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``,
+    the ranks' mean, in [0, 1]. Accelerators with a communication stream hide nearly all
+    of it; CPU ranks sharing their cores with the collective's threads hide little."""
+    device, sync = runtime.device, runtime.handle.synchronize
+    if compute is None:
+        a = torch.randn(256, 256, device=device)
+
+        def products() -> None:
+            for _ in range(64):
+                a @ a
+
+        compute = products
+    work_load = compute
+    alone = _mean_over_ranks(_median_seconds(work_load, runs, sync), device)  # one size
+    nbytes = 4 << 20
+    if fit is not None and fit.beta > 0:  # as long as the compute: the ratio is steadiest
+        nbytes = int(min(64 << 20, max(64 << 10, (alone - fit.alpha) / fit.beta)))
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    comm = _median_seconds(lambda: dist.all_reduce(buf), runs, sync)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        work_load()
+        assert work is not None
+        work.wait()
+
+    together = _median_seconds(both, runs, sync)
+    hidden = (comm + alone - together) / max(min(comm, alone), 1e-9)
+    return _mean_over_ranks(min(1.0, max(0.0, hidden)), device)
+
+
+def measure_skew(runtime: Runtime, runs: int = FIT_RUNS) -> float:
+    """Seconds a blocking collective costs beyond its own time in a step: the ranks
+    reach it at different moments (a shared machine gives them uneven shares), and the
+    first wait for the last. Timed as :data:`SKEW_ROUNDS` rounds of a short compute each
+    followed by a one-element all-reduce, against the same rounds without it and the
+    all-reduces alone; the ranks' mean, never below 0."""
+    device, sync = runtime.device, runtime.handle.synchronize
+    a = torch.randn(128, 128, device=device)
+    one = torch.zeros(1, device=device)
+
+    def compute() -> None:
+        for _ in range(16):
+            a @ a
+
+    def rounds(with_sync: bool, with_compute: bool = True) -> None:
+        for _ in range(SKEW_ROUNDS):
+            if with_compute:
+                compute()
+            if with_sync:
+                dist.all_reduce(one)
+
+    synced = _median_seconds(lambda: rounds(True), runs, sync)
+    alone = _median_seconds(lambda: rounds(False), runs, sync)
+    collectives = _median_seconds(lambda: rounds(True, False), runs, sync)
+    extra = (synced - alone - collectives) / SKEW_ROUNDS
+    return _mean_over_ranks(max(0.0, extra), device)
+
+
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def _median_seconds(run: Callable[[], object], runs: int, sync: Callable[[], None]) -> float:
+    run()
+    sync()
+    times = []
+    for _ in range(runs):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _op_timers(
+    runtime: Runtime, group: dist.ProcessGroup | None, ranks: tuple[int, ...]
+) -> dict[str, Timer]:
+    """A timer ``(nbytes, runs) -> seconds`` per op over ``group``."""
+    from lamina.memory.gather import gather_full, reduce_scatter_start
+    from lamina.runtime.primitives import choose_primitive
+
+    device, sync = runtime.device, runtime.handle.synchronize
+    size = len(ranks)
+    me = ranks.index(runtime.rank)
+    pg_backend = runtime.backend.collective_backend
+    unsupported = tuple(getattr(runtime.backend, "unsupported_collectives", ()) or ())
+
+    def primitive(op: str) -> str:
+        choice = choose_primitive(op, pg_backend, unsupported=unsupported, group_size=size)
+        return {"all_gather": "native", "reduce_scatter": "native"}.get(choice.op, choice.op)
+
+    gather_form, scatter_form = primitive("all_gather"), primitive("reduce_scatter")
+
+    def numel(nbytes: int) -> int:
+        return max(size, nbytes // 4 // size * size)
+
+    def all_reduce(nbytes: int, runs: int) -> float:
+        buf = torch.zeros(numel(nbytes), device=device)
+        return _median_seconds(lambda: dist.all_reduce(buf, group=group), runs, sync)
+
+    def all_gather(nbytes: int, runs: int) -> float:
+        full = torch.zeros(numel(nbytes), device=device)
+        shard = torch.zeros(full.numel() // size, device=device)
+        return _median_seconds(
+            lambda: gather_full(shard, full, me, gather_form, group),  # type: ignore[arg-type]
+            runs,
+            sync,
+        )
+
+    def reduce_scatter(nbytes: int, runs: int) -> float:
+        buf = torch.zeros(numel(nbytes), device=device)
+
+        def run() -> None:
+            work, finish = reduce_scatter_start(buf, me, size, scatter_form, group)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait()
+            finish()
+
+        return _median_seconds(run, runs, sync)
+
+    def send(nbytes: int, runs: int) -> float:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+        # neighbours along the group exchange one message: 0 -> 1, 2 -> 3, ...
+        peer = me + 1 if me % 2 == 0 else me - 1
+
+        def run() -> None:
+            if peer >= size:
+                return
+            if me % 2 == 0:
+                dist.send(buf, ranks[peer])
+            else:
+                dist.recv(buf, ranks[peer])
+
+        return _median_seconds(run, runs, sync)
+
+    return {
+        "all_reduce": all_reduce,
+        "all_gather": all_gather,
+        "reduce_scatter": reduce_scatter,
+        "send": send,
+    }
+
+
+def _hierarchical(runtime: Runtime, layout: HostLayout) -> Timer:
+    """A timer of the hierarchical all-reduce over the whole job on ``layout``."""
+    from lamina.comm.algorithms import AlgorithmGroups
+
+    groups = AlgorithmGroups(
+        layout,
+        runtime.rank,
+        pg_backend=runtime.backend.collective_backend,
+        needed=("hierarchical",),
+    )
+
+    def timer(nbytes: int, runs: int) -> float:
+        buf = torch.zeros(max(layout.size, nbytes // 4), device=runtime.device)
+        seconds = _median_seconds(
+            lambda: groups.all_reduce("hierarchical", buf).wait(), runs, runtime.handle.synchronize
+        )
+        return seconds
+
+    return timer
+
+
+class ClusterComm:
+    """The declared cluster's alpha-beta formulas (:mod:`lamina.simulate.timing`) on the
+    group of each axes tuple of its mesh; its devices are taken to hide communication
+    behind compute (a communication stream), as accelerators do, and to reach each
+    collective together (no skew)."""
+
+    overlap = 1.0
+    skew = 0.0
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._groups: dict[tuple[str, ...], object] = {}
+
+    def _group(self, axes: tuple[str, ...]) -> object:
+        from lamina.simulate.groups import Group
+
+        if axes not in self._groups:
+            hosts, per_host = self.cluster.mesh_group(axes)
+            whole = len(axes) == len(self.cluster.mesh)
+            model = self.cluster.group_model(hosts, per_host)
+            self._groups[axes] = Group("+".join(axes), model, whole, axes)
+        return self._groups[axes]
+
+    def seconds(self, op: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """Seconds of ``op`` over ``axes`` on the cluster."""
+        from lamina.simulate.groups import Group
+
+        group = self._group(axes)
+        assert isinstance(group, Group)
+        if nbytes <= 0 or group.size < 2:
+            return 0.0
+        n = int(nbytes)
+        if op == "all_reduce":
+            phases = group.all_reduce(n)[2]
+        elif op in ("all_gather", "reduce_scatter"):
+            phases = group.ring_half(n, op)
+        elif op == "send":
+            link = group.model.inter if group.model.layout.host_count > 1 else group.model.intra
+            return link.time(n)
+        else:
+            raise ConfigError(f"collective {op!r} has no model; use one of {list(OPS)}")
+        return sum(p.seconds for p in phases)
+
+    def describe(self) -> list[str]:
+        """The cluster, as ``lamina plan --simulate`` prints it."""
+        return self.cluster.describe().splitlines()
+
+
+__all__ = ["FIT_RUNS", "FIT_SIZES", "OPS", "ClusterComm", "CommCosts", "Fit", "MeasuredComm"]

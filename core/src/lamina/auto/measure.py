@@ -1,0 +1,401 @@
+"""What ``"auto"`` measures of the model on the device: :func:`profile_model`.
+
+On one batch (``example_inputs``: one rank's share of the global batch under data
+parallelism), every rank at once (one barrier, then the runs back to back, so each rank
+is timed at the share of a shared device it gets in a training loop):
+
+- the forward, and the forward + backward, of the whole model (median of ``runs``);
+- each block's forward + backward on a microbatch, and the rest's (embeddings, head,
+  loss), through the pipeline cut's own timing
+  (:func:`lamina.strategies.pp.cut.measure_costs`), where the model has a chain of
+  blocks;
+- AdamW's step, on copies of the largest parameters (up to 4M elements), scaled;
+- the bytes autograd saves for the backward (the activations), counted as they are saved.
+
+Times are the mean over the ranks, sizes the largest, so every rank predicts from the
+same figures and chooses the same candidate.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lamina.errors import ConfigError
+from lamina.graph.state import preserved
+from lamina.strategies.pp.chain import BlockChain, find_chain
+from lamina.strategies.pp.cut import BlockCosts, measure_costs
+
+#: Timed runs of each measurement (after a warm-up), of which the median counts.
+PROFILE_RUNS = 5
+#: Elements of the flat tensor AdamW's step is timed on (at most the model's).
+OPTIMIZER_TIMED_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class ChainProfile:
+    """The model's chain of blocks, timed on one microbatch."""
+
+    chain: BlockChain = field(compare=False, repr=False)
+    #: Rows of the microbatch the blocks were timed on.
+    microbatch: int
+    costs: BlockCosts
+    #: Parameter bytes of each block, of the modules before the first and after the last.
+    block_bytes: tuple[int, ...]
+    prefix_bytes: int
+    suffix_bytes: int
+    #: Bytes of the activation entering a block, per row of the batch.
+    crossing_bytes_per_row: float
+
+    @property
+    def blocks(self) -> int:
+        """Blocks in the chain."""
+        return len(self.block_bytes)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The measured figures the predictions are made from (see the module)."""
+
+    #: Rows of ``example_inputs``.
+    batch: int
+    parameters: int
+    parameter_bytes: int
+    #: Bytes of the parameters the model uses in two places (a tied embedding and head).
+    tied_bytes: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    activation_bytes: int
+    chain: ChainProfile | None
+    #: Why there is no chain (the model cannot be pipelined), when there is none.
+    no_chain: str = ""
+    #: What AdamW's step costs more on DTensor parameters (as the sharded strategies hold
+    #: them): each op dispatched through DTensor, for every parameter tensor.
+    optimizer_dispatch_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data (seconds, bytes)."""
+        chain = self.chain
+        return {
+            "batch": self.batch,
+            "parameters": self.parameters,
+            "parameter_bytes": self.parameter_bytes,
+            "tied_bytes": self.tied_bytes,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "optimizer_s": self.optimizer_s,
+            "optimizer_dispatch_s": self.optimizer_dispatch_s,
+            "activation_bytes": self.activation_bytes,
+            "chain": None
+            if chain is None
+            else {
+                "blocks": chain.blocks,
+                "microbatch": chain.microbatch,
+                "block_s": list(chain.costs.blocks),
+                "rest_s": chain.costs.rest,
+                "crossing_bytes_per_row": chain.crossing_bytes_per_row,
+            },
+            "no_chain": self.no_chain,
+        }
+
+
+def batch_rows(inputs: Sequence[Any]) -> int:
+    """Rows (dim 0) of the first tensor of ``inputs``; ConfigError when there is none."""
+    first = next((t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise ConfigError(
+            "strategy 'auto' times the model on example_inputs: pass a batch tensor (rows on "
+            "dim 0) as example_inputs=(batch,)"
+        )
+    return int(first.shape[0])
+
+
+def rows_of(inputs: tuple[Any, ...], rows: int, batch: int) -> tuple[Any, ...]:
+    """``inputs`` with every tensor of ``batch`` rows cut to its first ``rows``, or
+    repeated up to ``rows`` when that is more."""
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            return t
+        if rows <= batch:
+            return t[:rows]
+        reps = -(-rows // batch)
+        return torch.cat([t] * reps)[:rows]
+
+    out: tuple[Any, ...] = pytree.tree_map(cut, inputs)
+    return out
+
+
+def profile_model(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    microbatch: int | None = None,
+    runs: int = PROFILE_RUNS,
+    device: torch.device | None = None,
+    synchronize: Callable[[], None] = lambda: None,
+    between: Callable[[], None] = lambda: None,
+    dtensor_mesh: Any = None,
+) -> ModelProfile:
+    """Measure ``model`` on ``inputs`` (collective over every rank when torch.distributed
+    runs; see the module); blocks are timed on ``microbatch`` rows (default: half). The
+    whole model is timed twice, before and after ``between`` (what else is measured,
+    taking seconds), and the median of both sets of runs counts. With ``dtensor_mesh`` (a
+    torch DeviceMesh) AdamW is also timed on DTensor copies, for the sharded strategies."""
+    kwargs = kwargs or {}
+    batch = batch_rows(inputs)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+
+    def together() -> None:
+        synchronize()
+        if distributed:
+            dist.barrier()
+
+    def samples(fn: Callable[[], None]) -> list[float]:
+        # one start together, then back to back: the ranks drift apart as they do in a
+        # training loop (a barrier before each run would have the first ranks done wait,
+        # and on gloo poll, while the others still compute)
+        together()
+        fn()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def timed(fn: Callable[[], None]) -> float:
+        return statistics.median(samples(fn))
+
+    unique = {id(p): p for p in model.parameters()}
+    parameters = sum(p.numel() for p in unique.values())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+
+    def forward() -> None:
+        _forget(model(*inputs, **kwargs))
+
+    def whole() -> None:
+        backward_of(model(*inputs, **kwargs))
+
+    with preserved(model):
+        forwards, wholes = samples(forward), samples(whole)
+        activation_bytes = _saved_bytes(model, lambda: model(*inputs, **kwargs))
+        model.zero_grad(set_to_none=True)
+    between()  # a shared machine's slow spells last seconds: time again after it
+    with preserved(model):
+        forwards += samples(forward)
+        wholes += samples(whole)
+        model.zero_grad(set_to_none=True)
+    forward_s, whole_s = statistics.median(forwards), statistics.median(wholes)
+    rows = microbatch or max(1, batch // 2)
+    small = rows_of(inputs, rows, batch)
+    together()
+    chain_profile, no_chain = _chain_profile(model, small, kwargs, rows, runs, lambda: None)
+    params: list[torch.Tensor] = list(unique.values())
+    optimizer_s = _optimizer_seconds(params, timed)
+    dispatch_s = 0.0
+    if dtensor_mesh is not None:
+        dispatch_s = max(0.0, _optimizer_seconds(params, timed, dtensor_mesh, scale=False))
+        dispatch_s = max(0.0, dispatch_s - _optimizer_seconds(params, timed, scale=False))
+        dispatch_s *= len(params) / max(1, len(_sample(params)))
+    figures = [forward_s, whole_s, optimizer_s, float(activation_bytes), dispatch_s]
+    if chain_profile is not None:
+        figures += [*chain_profile.costs.blocks, chain_profile.costs.rest]
+    # every rank predicts from the same numbers: the ranks' mean time, the largest size
+    slowest = _across_ranks(figures, device, distributed)
+    forward_s, whole_s, optimizer_s = slowest[:3]
+    activation_bytes = int(slowest[3])
+    dispatch_s = slowest[4]
+    if chain_profile is not None:
+        costs = BlockCosts(tuple(slowest[5:-1]), slowest[-1])
+        chain_profile = ChainProfile(
+            chain_profile.chain,
+            chain_profile.microbatch,
+            costs,
+            chain_profile.block_bytes,
+            chain_profile.prefix_bytes,
+            chain_profile.suffix_bytes,
+            chain_profile.crossing_bytes_per_row,
+        )
+    return ModelProfile(
+        batch=batch,
+        parameters=parameters,
+        parameter_bytes=parameter_bytes,
+        tied_bytes=_tied_bytes(model),
+        forward_s=forward_s,
+        backward_s=max(0.0, whole_s - forward_s),
+        optimizer_s=optimizer_s,
+        activation_bytes=activation_bytes,
+        chain=chain_profile,
+        no_chain=no_chain,
+        optimizer_dispatch_s=dispatch_s,
+    )
+
+
+def _chain_profile(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rows: int,
+    runs: int,
+    together: Callable[[], None],
+) -> tuple[ChainProfile | None, str]:
+    def run() -> Any:
+        return model(*inputs, **kwargs)
+
+    try:
+        with preserved(model), torch.no_grad():
+            chain = find_chain(model, run)
+    except ConfigError as exc:
+        return None, str(exc).removeprefix("strategy 'pp': ")
+    costs = measure_costs(model, chain, run, runs, together)
+    block_bytes = tuple(_module_bytes(model.get_submodule(b)) for b in chain.blocks)
+    prefix = sum(_module_bytes(model.get_submodule(m)) for m in chain.prefix)
+    suffix = sum(_module_bytes(model.get_submodule(m)) for m in chain.suffix)
+    shape = chain.entry_shapes[0] if chain.entry_shapes else (rows,)
+    numel = 1
+    for size in shape:
+        numel *= size
+    item = torch.empty((), dtype=chain.entry_dtype).element_size()
+    crossing = numel * item / max(1, rows)
+    return ChainProfile(chain, rows, costs, block_bytes, prefix, suffix, crossing), ""
+
+
+def _module_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _tied_bytes(model: nn.Module) -> int:
+    """Bytes of parameters registered under two or more names."""
+    seen: dict[int, int] = {}
+    tied: dict[int, int] = {}
+    for _name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied[id(p)] = p.numel() * p.element_size()
+        seen[id(p)] = 1
+    return sum(tied.values())
+
+
+def _forget(out: Any) -> None:
+    del out
+
+
+def backward_of(out: Any) -> None:
+    """The backward of a forward's output (its tensors' sum; a Hugging Face output's
+    logits)."""
+    tensors = [
+        t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if hasattr(out, "logits"):
+        tensors = [out.logits]
+    if tensors:
+        sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
+
+
+def _saved_bytes(model: nn.Module, run: Callable[[], Any]) -> int:
+    """Bytes of the tensors autograd saves for the backward in one forward (each
+    storage once; parameters are not activations)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> int:
+        # keeps the size only: holding ``t`` would tie a node's saved output to the node
+        # (a cycle keeping the graph, and the parameters' gradient accumulators, alive)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params:
+            storages[ptr] = storage.nbytes()
+        return ptr
+
+    def unpack(_ptr: int) -> torch.Tensor:
+        raise RuntimeError("the activation-counting forward has no backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = run()
+    del out
+    return sum(storages.values())
+
+
+def _sample(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest of ``params`` up to :data:`OPTIMIZER_TIMED_NUMEL` elements."""
+    sample: list[torch.Tensor] = []
+    numel = 0
+    for p in sorted(params, key=lambda t: -t.numel()):
+        if sample and numel + p.numel() > OPTIMIZER_TIMED_NUMEL:
+            continue
+        sample.append(p)
+        numel += p.numel()
+    return sample
+
+
+def _optimizer_seconds(
+    params: list[torch.Tensor],
+    timed: Callable[[Callable[[], None]], float],
+    dtensor_mesh: Any = None,
+    *,
+    scale: bool = True,
+) -> float:
+    """Seconds of an AdamW step over ``params``: timed on copies of the largest of them
+    up to :data:`OPTIMIZER_TIMED_NUMEL` elements (their own shapes: the step's speed
+    depends on them), scaled to all (``scale``); with ``dtensor_mesh``, the copies are
+    DTensors replicated on it, as a sharded strategy's parameters are DTensors."""
+    sample = _sample(params)
+    if not sample:
+        return 0.0
+    copies = []
+    for p in sample:
+        copy = torch.zeros_like(p, dtype=torch.float32)
+        if dtensor_mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            placements = [Replicate()] * dtensor_mesh.ndim
+            copy = DTensor.from_local(copy, dtensor_mesh, placements, run_check=False)
+        leaf = nn.Parameter(copy)
+        leaf.grad = torch.full_like(leaf, 1e-3)
+        copies.append(leaf)
+    optimizer = torch.optim.AdamW(copies, lr=1e-4)
+    seconds = timed(optimizer.step)
+    numel = sum(p.numel() for p in sample)
+    total = sum(p.numel() for p in params)
+    return seconds * total / numel if scale else seconds
+
+
+def _across_ranks(
+    values: list[float], device: torch.device | None, distributed: bool
+) -> list[float]:
+    """``values`` (times, and at index 3 a byte count) made the same on every rank: each
+    time the mean over the ranks (on a shared device one rank's share swings; the step
+    waits for each in turn), the byte count the largest."""
+    if not distributed:
+        return values
+    world = dist.get_world_size()
+    times = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(times)
+    largest = torch.tensor([values[3]], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    out = [float(v) / world for v in times.tolist()]
+    out[3] = float(largest.item())
+    return out
+
+
+__all__ = [
+    "OPTIMIZER_TIMED_NUMEL",
+    "PROFILE_RUNS",
+    "ChainProfile",
+    "ModelProfile",
+    "backward_of",
+    "batch_rows",
+    "profile_model",
+    "rows_of",
+]

@@ -1,0 +1,367 @@
+"""``lamina.distribute(model, "auto")``: the candidates of a mesh, their predicted step
+times and memory on a declared cluster, the choice made alike on every rank and recorded
+in the plan, the one-line error for a model that fits nowhere, ``lamina plan --auto``
+(on the job and on a declared 4096-device cluster), and the GPT example trained by the
+automatic choice as by the same strategy given by hand."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lamina
+from examples_on_ranks import run_example
+from lamina.auto.candidates import candidates_for
+from lamina.auto.comm import ClusterComm
+from lamina.auto.measure import ChainProfile, ModelProfile
+from lamina.auto.predict import NotApplicable, predict_candidate
+from lamina.auto.ranking import rank_candidates
+from lamina.errors import ConfigError
+from lamina.simulate import cluster_from_dict
+from lamina.strategies.pp.chain import BlockChain
+from lamina.strategies.pp.cut import BlockCosts
+from lamina.testing import run_ranks
+from lamina.testing.cli import run_lamina
+from models_for_tests import GPT, GPTConfig
+
+# -- candidates ----------------------------------------------------------------------------
+
+
+def test_a_flat_mesh_offers_every_strategy_over_all_ranks() -> None:
+    labels = [c.label for c in candidates_for({"dp": 4})]
+    assert labels == ["dp", "zero3", "tp", "pp"]
+    assert [c.label for c in candidates_for({"dp": 1})] == ["dp"]
+
+
+def test_a_two_axis_mesh_keeps_growing_traffic_inside_hosts() -> None:
+    found = {c.label: c for c in candidates_for({"inter": 2, "intra": 4})}
+    assert list(found) == [
+        "dp",
+        "zero3",
+        "hsdp",
+        "tp(intra)+zero3(inter)",
+        "pp(inter)+dp(intra)",
+        "pp(inter)+zero3(intra)",
+    ]
+    tp = found["tp(intra)+zero3(inter)"]
+    assert (tp.tp_degree, tp.shard_degree, tp.data_replicas) == (4, 2, 2)
+    pp = found["pp(inter)+dp(intra)"]
+    assert (pp.pp_degree, pp.data_replicas, pp.microbatches) == (2, 4, 4)
+    assert pp.sync_axes() == ("intra",)
+
+
+def test_lossy_codecs_are_candidates_only_when_allowed() -> None:
+    assert not [c for c in candidates_for({"dp": 2}) if c.codec]
+    lossy = [c.label for c in candidates_for({"dp": 2}, allow_lossy=True) if c.codec]
+    assert lossy == ["dp+bf16", "dp+fp8"]
+
+
+def test_axes_of_one_rank_go_to_the_replicating_strategy() -> None:
+    found = {c.label: c for c in candidates_for({"inter": 1, "intra": 2})}
+    assert list(found) == ["dp", "zero3", "pp"]  # tp alone cannot place the other axis
+    assert found["pp"].uses[0].replicate == ("inter",)
+
+
+def test_a_three_axis_mesh_places_tp_and_pp_on_their_named_axes() -> None:
+    labels = [c.label for c in candidates_for({"pp": 4, "dp": 128, "tp": 8})]
+    assert labels == [
+        "dp",
+        "zero3",
+        "tp(tp)+zero3(pp+dp)",
+        "pp(pp)+dp(dp+tp)",
+        "pp(pp)+zero3(dp+tp)",
+    ]
+
+
+# -- predictions on a declared cluster -------------------------------------------------------
+
+BLOCKS = 8
+
+
+def _profile(width: int = 1024, rows: int = 8, seconds_per_block: float = 0.004) -> ModelProfile:
+    """A transformer-like profile: 8 blocks of 12 w^2 parameters, tied embedding and head."""
+    block = 12 * width * width * 4
+    embedding = 32_000 * width * 4
+    chain = BlockChain(
+        "blocks",
+        tuple(f"blocks.{i}" for i in range(BLOCKS)),
+        ("tok",),
+        ("head",),
+        tuple((rows // 2, 256, width) for _ in range(BLOCKS)),
+        torch.float32,
+    )
+    costs = BlockCosts(tuple(seconds_per_block for _ in range(BLOCKS)), seconds_per_block)
+    profile_chain = ChainProfile(
+        chain,
+        rows // 2,
+        costs,
+        tuple(block for _ in range(BLOCKS)),
+        embedding,
+        embedding,
+        256 * width * 4,
+    )
+    total = BLOCKS * block + embedding
+    compute = 2 * (BLOCKS + 1) * seconds_per_block
+    return ModelProfile(
+        batch=rows,
+        parameters=total // 4,
+        parameter_bytes=total,
+        tied_bytes=embedding,
+        forward_s=compute / 3,
+        backward_s=2 * compute / 3,
+        optimizer_s=total / 4 * 2e-10,
+        activation_bytes=rows * 256 * width * 4 * 20 * BLOCKS,
+        chain=profile_chain,
+    )
+
+
+def _cluster(gbps: float, hosts: int = 2, per_host: int = 8, memory_gib: float = 80) -> Any:
+    return cluster_from_dict(
+        {
+            "hosts": hosts,
+            "devices_per_host": per_host,
+            "intra": {"bandwidth_gbps": 300, "latency_us": 3},
+            "inter": {"bandwidth_gbps": gbps, "latency_us": 10},
+            "device_memory_gib": memory_gib,
+            "mesh": {"inter": hosts, "intra": per_host},
+        }
+    )
+
+
+def _ranked(gbps: float) -> list[str]:
+    cluster = _cluster(gbps)
+    ranking = rank_candidates(
+        candidates_for(cluster.mesh),
+        _profile(),
+        ClusterComm(cluster),
+        device_memory=cluster.device_memory_bytes,
+    )
+    return [e.candidate.label for e in ranking.entries]
+
+
+def test_slow_links_favour_the_pipeline_and_fast_links_data_parallelism() -> None:
+    slow, fast = _ranked(0.025), _ranked(100)  # 200 Mbit/s against 800 Gbit/s
+    assert slow[0] == "pp(inter)+dp(intra)"
+    assert fast[0] in ("dp", "zero3", "hsdp")
+    assert fast.index("pp(inter)+dp(intra)") > fast.index("dp")
+
+
+def test_sharding_divides_the_state_and_a_pipeline_holds_one_stage() -> None:
+    cluster = _cluster(25)
+    comm, profile = ClusterComm(cluster), _profile()
+    by = {c.label: predict_candidate(c, profile, comm) for c in candidates_for(cluster.mesh)}
+    state = {label: p.memory_parts["state"] for label, p in by.items()}
+    assert state["dp"] == 4 * profile.parameter_bytes
+    assert state["zero3"] == state["dp"] // 16
+    assert state["hsdp"] == state["dp"] // 8
+    assert state["pp(inter)+dp(intra)"] < state["dp"] // 2 + 4 * 2 * 32_000 * 1024 * 4
+
+
+def test_a_model_without_blocks_cannot_be_pipelined_or_split() -> None:
+    profile = _profile()
+    flat = ModelProfile(**{**profile.__dict__, "chain": None, "no_chain": "no list of blocks"})
+    cluster = _cluster(25)
+    comm = ClusterComm(cluster)
+    for candidate in candidates_for(cluster.mesh):
+        if {"pp", "tp"} & set(candidate.strategies):
+            with pytest.raises(NotApplicable, match="no list of blocks"):
+                predict_candidate(candidate, flat, comm)
+
+
+def test_a_model_that_fits_nowhere_is_one_line_naming_the_smallest_footprint() -> None:
+    cluster = _cluster(25, memory_gib=0.05)
+    ranking = rank_candidates(
+        candidates_for(cluster.mesh),
+        _profile(),
+        ClusterComm(cluster),
+        device_memory=cluster.device_memory_bytes,
+    )
+    assert ranking.chosen is None
+    assert all(e.rejected.startswith("needs ") for e in ranking.entries)
+    with pytest.raises(ConfigError) as error:
+        ranking.choice()
+    message = str(error.value)
+    assert "\n" not in message
+    smallest = min(ranking.entries, key=lambda e: e.prediction.memory_bytes if e.prediction else 0)
+    assert f"({smallest.candidate.label}) against 51.2 MiB of device memory" in message
+    assert "smallest predicted footprint is" in message
+
+
+# -- on ranks --------------------------------------------------------------------------------
+
+VOCAB, SEQ, ROWS = 64, 32, 8
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(VOCAB, SEQ, 32, 4, 4))
+
+
+def _auto_job() -> dict[str, Any]:
+    runtime = lamina.init()
+    torch.set_num_threads(1)
+    ids = torch.randint(
+        0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(runtime.rank)
+    )
+    model = lamina.distribute(_gpt(), "auto", example_inputs=(ids,), timing_runs=2)
+    choice = model.lamina_auto  # type: ignore[union-attr]
+    meta = dict(model.execution_plan.meta)  # type: ignore[union-attr]
+    if choice.candidate.pp_degree > 1:
+        model.step(ids, ids, lambda out, y: out.float().mean())  # type: ignore[operator]
+    else:
+        model(ids).float().mean().backward()
+    summary = model.step_summary()  # type: ignore[operator]
+    try:
+        lamina.distribute(
+            _gpt(), "auto", example_inputs=(ids,), device_memory=1 << 16, timing_runs=1
+        )
+        too_big = ""
+    except ConfigError as exc:
+        too_big = str(exc)
+    lamina.shutdown()
+    return {
+        "chosen": choice.candidate.label,
+        "strategy": choice.strategy,
+        "ranked": [e.candidate.label for e in choice.ranking.entries],
+        "meta_auto": meta.get("auto", ""),
+        "meta_ranking": json.loads(meta.get("auto_ranking", "{}")),
+        "summary": summary,
+        "replica": choice.replica,
+        "too_big": too_big,
+    }
+
+
+@pytest.mark.multiprocess
+def test_every_rank_chooses_alike_and_the_plan_and_run_log_record_it() -> None:
+    results = run_ranks(_auto_job, 2, timeout=300)
+    first = results[0]
+    assert all(r["chosen"] == first["chosen"] and r["ranked"] == first["ranked"] for r in results)
+    assert first["ranked"][0] == first["chosen"]
+    assert set(first["ranked"]) == {"dp", "zero3", "tp", "pp"}
+    assert first["meta_auto"].startswith(f"{first['chosen']} (predicted ")
+    assert first["meta_ranking"]["chosen"] == first["chosen"]
+    assert f"auto chose {first['chosen']}" in first["summary"]
+    replicas = {tuple(r["replica"]) for r in results}
+    assert len(replicas) == (2 if first["chosen"] in ("dp", "zero3") else 1)
+    message = first["too_big"]
+    assert "\n" not in message
+    assert re.search(
+        r"the smallest predicted footprint is [\d.]+ [KM]iB per rank \(\w+\) against 64\.0 KiB "
+        r"of device memory",
+        message,
+    ), message
+
+
+AUTO_SCRIPT = """
+import torch
+import lamina
+from torch import nn
+
+lamina.init()
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
+model = lamina.distribute(model, "dp", example_inputs=(torch.randn(8, 64),))
+model(torch.randn(8, 64)).sum().backward()
+lamina.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_lamina_plan_auto_prints_the_ranking_then_the_chosen_plan(tmp_path: Path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(AUTO_SCRIPT)  # names "dp": --auto chooses instead
+    result = run_lamina(
+        "plan",
+        "--auto",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        env={"LAMINA_BACKEND": "cpu"},
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"lamina plan --auto: {script}"
+    assert lines[1].split() == ["#", "candidate", "step", "ms", "memory", "verdict"]
+    rows = lines[2:6]
+    assert rows[0].split()[1] and rows[0].endswith("chosen")
+    assert sorted(r.split()[1] for r in rows) == ["dp", "pp", "tp", "zero3"]
+    assert any("x the chosen" in r for r in rows)
+    assert lines[6].startswith("device memory ") and "links: timed on this job" in lines[6]
+    chosen = rows[0].split()[1]
+    assert f"the chosen plan ({chosen}):" in lines
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_lamina_plan_simulate_auto_ranks_a_4096_device_cluster(tmp_path: Path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(AUTO_SCRIPT)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(
+        json.dumps(
+            {
+                "hosts": 512,
+                "devices_per_host": 8,
+                "intra": {"bandwidth_gbps": 300, "latency_us": 3},
+                "inter": {"bandwidth_gbps": 25, "latency_us": 10},
+                "device_memory_gib": 80,
+                "mesh": {"pp": 4, "dp": 128, "tp": 8},
+            }
+        )
+    )
+    result = run_lamina(
+        "plan", "--simulate", str(cluster), "--auto", "--json", str(script),
+        env={"LAMINA_BACKEND": "cpu"}, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranking = json.loads(result.stdout)["ranking"]
+    labels = [c["label"] for c in ranking["candidates"]]
+    assert sorted(labels) == sorted(
+        ["dp", "zero3", "tp(tp)+zero3(pp+dp)", "pp(pp)+dp(dp+tp)", "pp(pp)+zero3(dp+tp)"]
+    )
+    assert ranking["chosen"] == labels[0]
+    assert ranking["device_memory"] == 80 * 2**30
+    assert "4096 devices" in ranking["where"]
+
+
+# -- the example -------------------------------------------------------------------------------
+
+HAND = {"dp": ["--strategy", "dp"], "zero3": ["--strategy", "zero3"]}
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_auto_trains_as_the_chosen_strategy_given_by_hand(tmp_path: Path) -> None:
+    tiny = [
+        "--max-steps", "6", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",
+        "--seq-len", "32", "--d-model", "32", "--n-layers", "2", "--corpus-mb", "0.2",
+    ]  # fmt: skip
+    auto = run_example(
+        "train_gpt.py", *tiny, "--strategy", "auto", "--metrics", str(tmp_path / "a")
+    )
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    chosen = re.search(r"strategy 'auto' chose (\S+) ", auto.stderr)
+    assert chosen, auto.stderr[-2000:]
+    label = chosen.group(1)
+    if label.startswith("pp"):  # 2 stages, 4 microbatches, one pipeline's rows
+        by_hand = ["--strategy", "pp", "--pp-microbatches", "4", "--batch-size", "8"]
+    else:
+        assert label in HAND, f"auto chose {label}, which train_gpt.py has no flag for"
+        by_hand = HAND[label]
+    hand_args = [a for a in tiny if a != "4"] if "--batch-size" in by_hand else tiny
+    if "--batch-size" in by_hand:
+        hand_args = [*tiny[: tiny.index("--batch-size")], *tiny[tiny.index("--batch-size") + 2 :]]
+    hand = run_example("train_gpt.py", *hand_args, *by_hand, "--metrics", str(tmp_path / "h"))
+    assert hand.returncode == 0, hand.stderr[-3000:]
+    curves = [
+        [json.loads(line)["train_loss"] for line in (tmp_path / name).read_text().splitlines()]
+        for name in ("a", "h")
+    ]
+    assert len(curves[0]) == 3
+    assert curves[0] == pytest.approx(curves[1], rel=1e-6)
