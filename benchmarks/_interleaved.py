@@ -144,7 +144,13 @@ def relaunch_under_torchrun(
     and exit with its status."""
     if "RANK" in os.environ:
         return
-    cmd = [
+    cmd = torchrun_command(script, nproc, sys.argv[1:] if argv is None else argv)
+    sys.exit(subprocess.call(cmd, env={**os.environ, **(env or {})}))
+
+
+def torchrun_command(script: str, nproc: int, argv: Sequence[str]) -> list[str]:
+    """The command running ``script argv`` on ``nproc`` local ranks under torchrun."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -152,9 +158,8 @@ def relaunch_under_torchrun(
         "--nproc-per-node",
         str(nproc),
         script,
-        *(sys.argv[1:] if argv is None else argv),
+        *argv,
     ]
-    sys.exit(subprocess.call(cmd, env={**os.environ, **(env or {})}))
 
 
 def run_interleaved(

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import lamina
+from _interleaved import torchrun_command
 from _results import RESULTS, write_results
 from emulated_training import INNER_ENV, run_emulated
 from lamina.auto.candidates import Candidate
@@ -208,17 +209,7 @@ def _launch(setting: str, args: argparse.Namespace) -> int:
     if setting.startswith("emulated-"):
         os.environ[SETTING_ENV] = setting
         return run_emulated(setting.removeprefix("emulated-"), __file__, argv)
-    nproc = "2" if setting == "loopback2" else "4"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        nproc,
-        __file__,
-        *argv,
-    ]
+    cmd = torchrun_command(__file__, 2 if setting == "loopback2" else 4, argv)
     return subprocess.call(cmd, env={**env, INNER_ENV: "1"})
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +38,7 @@ from lamina.auto.measure import (
 from lamina.auto.ranking import MEMORY_MARGIN, Ranking, rank_candidates
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
+from lamina.strategies.contract import StrategyOptions
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
@@ -51,7 +52,7 @@ _HANDING_ON: list[Candidate] = []
 
 
 @dataclass(frozen=True)
-class AutoOptions:
+class AutoOptions(StrategyOptions):
     """The options of ``lamina.distribute(model, "auto", ...)``.
 
     ``example_inputs`` (and ``example_kwargs``): one rank's batch as data parallelism
@@ -70,7 +71,6 @@ class AutoOptions:
     memory_margin: float = MEMORY_MARGIN
     microbatches: int = 0
     timing_runs: int = PROFILE_RUNS
-    verify: bool = True
 
     def __post_init__(self) -> None:
         if self.example_inputs is None or not isinstance(self.example_inputs, tuple):
@@ -92,22 +92,6 @@ class AutoOptions:
                 or value < (name == "timing_runs")
             ):
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        """The option names."""
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> AutoOptions:
-        """The options; ConfigError naming an unknown one."""
-        unknown = [k for k in kwargs if k not in cls.names()]
-        if unknown:
-            raise ConfigError(
-                f"strategy 'auto' has no option {unknown[0]!r}; its options are "
-                f"{', '.join(cls.names())}"
-            )
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -151,7 +135,7 @@ def distribute_auto(
     """``model`` distributed by ``distribute`` (``lamina.distribute``) with the
     candidate :func:`rank_for` chooses (see the module); with ``cluster``,
     :class:`RankedOnly` carrying the ranking for it."""
-    opts = AutoOptions.from_kwargs(options)
+    opts = AutoOptions.from_kwargs(AUTO, options)
     ranking, profile = rank_for(model, runtime, opts, cluster)
     if cluster is not None:
         _check_alike(runtime, ranking, opts)

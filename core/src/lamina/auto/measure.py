@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain, find_chain
-from lamina.strategies.pp.cut import BlockCosts, measure_costs
+from lamina.strategies.pp.cut import BlockCosts, backward_of, measure_costs
 
 #: Timed runs of each measurement (after a warm-up), of which the median counts.
 PROFILE_RUNS = 5
@@ -289,18 +289,6 @@ def _tied_bytes(model: nn.Module) -> int:
 
 def _forget(out: Any) -> None:
     del out
-
-
-def backward_of(out: Any) -> None:
-    """The backward of a forward's output (its tensors' sum; a Hugging Face output's
-    logits)."""
-    tensors = [
-        t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
-    if hasattr(out, "logits"):
-        tensors = [out.logits]
-    if tensors:
-        sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
 
 
 def _saved_bytes(model: nn.Module, run: Callable[[], Any]) -> int:

@@ -86,7 +86,7 @@ def measure_costs(
             blocks.append(_median_seconds(timed, runs, together))
             kinds.append(_kind(block, args))
         with _blocks_skipped(model, chain):
-            rest = _median_seconds(lambda: _backward(run()), runs, together)
+            rest = _median_seconds(lambda: backward_of(run()), runs, together)
         model.zero_grad(set_to_none=True)
     return BlockCosts(_alike_equal(blocks, kinds), rest)
 
@@ -294,10 +294,12 @@ def _fresh(value: Any) -> Any:
 def _fwd_bwd(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     args, kwargs = _fresh((args, kwargs))
     first = args[0].clone().requires_grad_(True)
-    _backward(block(first, *args[1:], **kwargs))
+    backward_of(block(first, *args[1:], **kwargs))
 
 
-def _backward(out: Any) -> None:
+def backward_of(out: Any) -> None:
+    """The backward of a forward's output: its tensors' sum (a Hugging Face output's
+    logits)."""
     tensors = [
         t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
     ]
