@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: Codecs tried with ``allow_lossy=True`` and the bytes they send per fp32 byte.
 LOSSY_CODECS: dict[str, float] = {"bf16": 0.5, "fp8": 0.25}
@@ -54,7 +54,6 @@ class Candidate:
     codec: str | None = None
     #: Microbatches per step of a pipelined candidate (0: not pipelined).
     microbatches: int = 0
-    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -177,7 +176,7 @@ def _placed(
     if first.strategy == "tp":
         return None
     widened = Use(first.strategy, first.shard, (*first.replicate, *trivial))
-    return Candidate((*c.uses[:-1], widened), axes, c.codec, c.microbatches, c.notes)
+    return Candidate((*c.uses[:-1], widened), axes, c.codec, c.microbatches)
 
 
 def _on(axes: tuple[tuple[str, int], ...], allow_lossy: bool, microbatches: int) -> list[Candidate]:

@@ -181,10 +181,9 @@ def _hidden(compute: float, overlapped: float, communication: float, overlap: fl
 def _prefetched(compute: list[float], fetch: float, after: float = 0.0) -> float:
     """Seconds of units computed in turn, each needing its ``fetch`` (issued one unit
     ahead, one at a time) and followed by ``after`` on the same channel."""
-    channel = 0.0  # when the communication channel is free
     clock = 0.0
     fetched = fetch  # the first unit's gather, before anything
-    channel = fetched
+    channel = fetched  # when the communication channel is free
     pending_after = 0.0
     for i, seconds in enumerate(compute):
         start = max(clock, fetched)
