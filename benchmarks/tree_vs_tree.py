@@ -10,6 +10,8 @@ round::
 
     python benchmarks/tree_vs_tree.py --old 39a5063 --rounds 2 dp_vs_ddp.py --rounds 3
     python benchmarks/tree_vs_tree.py --old 39a5063 zero3_vs_fsdp2.py --only mlp
+    python benchmarks/tree_vs_tree.py --old 39a5063 --result tp_vs_torch_loopback.json \
+        tp_vs_torch.py --rounds 2
 
 Arguments after the script name go to the benchmark. The benchmark's own result file is
 written into a temporary directory of each tree, not over the committed results.
@@ -44,26 +46,44 @@ def worktree(ref: str, where: Path) -> Path:
     return where
 
 
-def run_once(tree: Path, script: str, args: list[str], output: Path) -> dict[str, Any]:
-    """The benchmark ``script`` of ``tree`` once; the JSON it wrote."""
+def run_once(
+    tree: Path, script: str, args: list[str], output: Path, result: str | None = None
+) -> dict[str, Any]:
+    """The benchmark ``script`` of ``tree`` once; the JSON it wrote. ``result``: the file
+    of ``results/`` a benchmark without ``--output`` writes (read, then put back as git
+    has it, so the committed results stay)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "core" / "src"), str(tree)])}
     results = tree / "benchmarks" / "results"
-    name = f"tree_vs_tree_{os.getpid()}_{output.stem}.json"
-    cmd = [sys.executable, str(tree / "benchmarks" / script), *args, "--output", name]
+    name = result or f"tree_vs_tree_{os.getpid()}_{output.stem}.json"
+    cmd = [sys.executable, str(tree / "benchmarks" / script), *args]
+    if result is None:
+        cmd += ["--output", name]
     subprocess.run(cmd, check=True, cwd=tree, env=env, timeout=3600)
     written = results / name
     data: dict[str, Any] = json.loads(written.read_text())
-    written.unlink()
+    if result is None:
+        written.unlink()
+    else:
+        restore = ["git", "-C", str(tree), "checkout", "--", f"benchmarks/results/{name}"]
+        subprocess.run(restore, check=False, capture_output=True)
     return data
 
 
+def _time_ratio(key: str, value: object) -> bool:
+    return "_over_" in key and "_peak_rss" not in key and isinstance(value, float)
+
+
 def ratios(data: dict[str, Any]) -> dict[str, float]:
-    """``workload.a_over_b`` -> ratio, for every time ratio the benchmark wrote."""
+    """``workload.a_over_b`` -> ratio, for every time ratio the benchmark wrote: per
+    workload (``results``), at the top level, or in a ``ratios`` table."""
     out = {}
     for workload, fields in (data.get("results") or {}).items():
         for key, value in fields.items():
-            if "_over_" in key and not key.endswith("_peak_rss") and isinstance(value, float):
+            if _time_ratio(key, value):
                 out[f"{workload}.{key}"] = value
+    for key, value in {**data, **(data.get("ratios") or {})}.items():
+        if _time_ratio(key, value):
+            out[key] = value
     return out
 
 
@@ -71,6 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="the git ref of the old tree")
     parser.add_argument("--rounds", type=int, default=2, help="alternations (2)")
+    parser.add_argument(
+        "--result", help="for a benchmark without --output: the results/ file it writes"
+    )
     parser.add_argument("script", help="the benchmark, e.g. dp_vs_ddp.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args()
@@ -90,7 +113,7 @@ def main() -> None:
                     print(f"== round {k + 1}/{args.rounds}: {which} tree", flush=True)
                     output = Path(tmp) / f"{which}-{k}.json"
                     per_tree[which].append(
-                        ratios(run_once(trees[which], args.script, args.args, output))
+                        ratios(run_once(trees[which], args.script, args.args, output, args.result))
                     )
         finally:
             subprocess.run(

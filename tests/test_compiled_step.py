@@ -25,6 +25,7 @@ from torch import nn
 
 import lamina
 from lamina.errors import ConfigError, VerificationError
+from lamina.strategies.compiled.graph_collectives import mismatch
 from lamina.testing import run_ranks
 from models_for_tests import (
     GPT,
@@ -129,7 +130,8 @@ def test_the_compiled_step_equals_the_eager_step(optimizer: str) -> None:
 
 def _one_graph() -> dict[str, Any]:
     """The graphs torch.compile captures for the step, read by a backend that records them
-    (and runs them as captured)."""
+    (and runs them as captured); the check of the graph's collectives against the plan's
+    calls, as captured and with the first or the last one left out."""
     runtime = lamina.init()
     torch.manual_seed(runtime.rank)
     model = lamina.distribute(_Net(), "dp", bucket_cap_mb=0.002)
@@ -150,7 +152,15 @@ def _one_graph() -> dict[str, Any]:
         if n.op == "call_function" and "all_reduce" in str(n.target)
     ]
     planned = [n.collective.numel for n in plan.collectives() if n.id.startswith("bucket")]
-    return {"graphs": len(graphs), "reduces": reduces, "planned": planned}
+    calls, found = step.checked.planned(), step.checked.graphs[0]
+    return {
+        "graphs": len(graphs),
+        "reduces": reduces,
+        "planned": planned,
+        "as_captured": mismatch(calls, found),
+        "first_missing": mismatch(calls, found[1:]),
+        "last_missing": mismatch(calls, found[:-1]),
+    }
 
 
 @pytest.mark.timeout(300)
@@ -158,6 +168,18 @@ def test_one_graph_holds_the_plans_all_reduces_in_order_and_size() -> None:
     for result in run_ranks(_one_graph, 2, timeout=280):
         assert result["graphs"] == 1, result  # captured once, replayed twice
         assert result["reduces"] == result["planned"] and len(result["planned"]) > 1, result
+        # the check of the graph against the plan: the graph's collectives less one differ
+        first, second = result["planned"][:2]
+        assert first != second, result  # the first bucket's call is named, not counted
+        assert result["first_missing"] == (
+            f"collective 0 of the captured graph is all_reduce of {second} elements, "
+            f"the plan's node bucket0.all_reduce issues all_reduce of {first}"
+        ), result
+        count = len(result["planned"])
+        assert result["last_missing"] == (
+            f"the captured graph issues {count - 1} collectives, the plan {count}"
+        ), result
+        assert result["as_captured"] == "", result
 
 
 def _shapes() -> dict[str, Any]:

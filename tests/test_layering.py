@@ -65,8 +65,8 @@ RANKS: dict[str, int] = {
     "session": 4,
     "simulate": 4,
     # 5: the automatic choice (lamina.distribute(model, "auto")): measures the model,
-    # predicts and ranks every strategy, and hands the choice to the distribute() it is
-    # given; checkpoints (which look up the running session)
+    # predicts and ranks every strategy, and returns the choice, which distribute()
+    # applies; checkpoints (which look up the running session)
     "auto": 5,
     "checkpoint": 5,
     # 6: distribute()

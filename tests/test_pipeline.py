@@ -25,6 +25,8 @@ from models_for_tests import GPT, GPTConfig, tiny_llama
 
 pytestmark = [pytest.mark.multiprocess]
 
+#: Below every step's gradient norm of both models, so clipping scales every step.
+MAX_NORM = 0.05
 VOCAB, BATCH, SEQ, LAYERS = 64, 8, 16, 8
 STEPS = 5
 
@@ -88,9 +90,11 @@ def _train_once(
         (sum(parts) / replicas).backward()
         k = step * replicas + replica
         loss = ours.step(xs[k], ys[k], _loss)  # type: ignore[operator]
-        # the whole model's gradient norm (nothing clipped at this bound), as one process
-        want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6)
-        norm = ours.clip_grad_norm_(1e6)  # type: ignore[operator]
+        # clipped at a bound below every step's norm: the whole model's norm as one
+        # process computes it, and every stage's gradients scaled by it
+        want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        norm = ours.clip_grad_norm_(MAX_NORM)  # type: ignore[operator]
+        assert want_norm.item() > MAX_NORM, "the bound must clip"
         norm_errors.append(abs(norm.item() - want_norm.item()) / want_norm.item())
         for opt in (opt_ref, opt_ours):
             opt.step()
@@ -247,7 +251,7 @@ def _check(results: list[dict[str, Any]], key: str, strategy: str = "pp") -> Non
         got = result[key]
         assert got["loss"] <= 1e-6, (rank, key, got["loss"])
         assert got["params"] <= 1e-5, (rank, key, got["params"])
-        assert got["norm"] <= 1e-5, (rank, key, got["norm"])
+        assert got["norm"] <= 1e-6, (rank, key, got["norm"])
         assert got["strategy"] == strategy
 
 
@@ -448,17 +452,25 @@ def test_schedules_by_name_and_their_bubble() -> None:
     assert interleaved == pytest.approx(3 / 11)
 
 
-@pytest.mark.parametrize("names", [["tp", "pp"], ["pp", "zero3", "tp"], ["hsdp", "pp"]])
+@pytest.mark.parametrize(
+    ("names", "fix"),
+    [
+        (["tp", "pp"], "['pp', 'tp']"),
+        (["pp", "zero3", "tp"], "['pp', 'tp', 'zero3']"),
+        (["hsdp", "pp"], "['pp', 'hsdp']"),
+    ],
+)
 def test_strategies_composed_in_an_order_lamina_does_not_run_are_one_line(
-    names: list[str],
+    names: list[str], fix: str
 ) -> None:
-    from lamina.strategies.compose import _check_order
+    from lamina.strategies.compose import check_order
+    from lamina.strategies.registry import get_strategy
 
     with pytest.raises(ConfigError) as err:
-        _check_order(names)
+        check_order([get_strategy(n) for n in names])
     message = str(err.value)
     assert "\n" not in message and str(names) in message
-    assert "['pp', 'tp', 'zero3']" in message  # the orders that do compose
+    assert fix in message  # the order that composes
 
 
 def test_a_model_without_a_chain_of_blocks_is_one_line() -> None:

@@ -438,8 +438,11 @@ def test_lamina_plan_simulate_prices_a_tp_scripts_activation_collectives(tmp_pat
         ("(root)", "all_gather"),
         ("2", "reduce_scatter"),
         ("2", "all_gather"),
+        ("2", "all_reduce"),  # its bias, added on the sequence slices: gradient summed
         ("(root)", "all_reduce"),
     }
+    bias = rows.pop(("2", "all_reduce"))
+    assert bias["bytes"] == 64 * 4 and bias["link"] == "intra"
     assert all(r["bytes"] == 4 * 64 * 4 and r["link"] == "intra" for r in rows.values())
     expected = 2 * 7 * (ALPHA_INTRA + 4 * 64 * 4 / 8 * BETA_INTRA)
     assert rows[("(root)", "all_reduce")]["seconds"] == pytest.approx(expected)

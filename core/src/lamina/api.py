@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,12 +15,39 @@ from lamina.session import Runtime, current, init
 from lamina.strategies.compiled.step import CompiledStep, StepJob, StepOptions
 from lamina.strategies.compose import distribute_composed
 from lamina.strategies.contract import Placement
-from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
-from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.registry import get_strategy
-from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
-from lamina.strategies.zero3.compiled_step import ShardedCompiledStep
-from lamina.strategies.zero3.module import ShardedModule
+from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with, extra_plan_meta
+
+if TYPE_CHECKING:
+    from lamina.auto.choose import Distribution
+
+#: The strategy name of the automatic choice (:mod:`lamina.auto`).
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """``lamina plan --auto``'s request to the script it runs (:func:`request_auto`): every
+    ``lamina.distribute`` call chooses as ``"auto"`` does, whatever strategy it names (its
+    ``example_inputs`` kept, its other options dropped). With ``cluster`` (a cluster file,
+    ``--simulate CLUSTER --auto``), the candidates are ranked for that declared cluster
+    and :class:`~lamina.auto.RankedOnly` is raised with the ranking instead."""
+
+    cluster: str | None = None
+
+
+#: What the rank runner of ``lamina plan --auto`` asked of this process (None: nothing).
+_AUTO_REQUEST: AutoRequest | None = None
+
+
+def request_auto(request: AutoRequest | None) -> None:
+    """Make every later :func:`distribute` call of this process choose as ``"auto"`` does
+    (see :class:`AutoRequest`); ``None`` cancels the request. The rank runner of ``lamina
+    plan --auto`` calls it beside :func:`lamina.strategies.preflight.request_stop`."""
+    if request is not None and not isinstance(request, AutoRequest):
+        raise ValueError(f"request_auto takes an AutoRequest or None, got {request!r}")
+    global _AUTO_REQUEST
+    _AUTO_REQUEST = request
 
 
 def distribute(
@@ -41,7 +69,8 @@ def distribute(
 
     ``"auto"`` chooses the strategy, its placement and codec from predicted step time
     and memory (:mod:`lamina.auto`; its options: :class:`lamina.auto.AutoOptions`, with
-    ``example_inputs`` required); ``model.lamina_auto`` says what it chose and why.
+    ``example_inputs`` required), then distributes the model with them as if given by
+    hand; ``model.lamina_auto`` says what it chose and why.
 
     A list composes strategies, each on its own mesh axes
     (:mod:`lamina.strategies.compose`): ``["tp", "zero3"]`` on
@@ -55,17 +84,26 @@ def distribute(
             f"{runtime.world_size}; call lamina.init() with mesh='flat' or a mesh shape whose "
             "product is the world size"
         )
-    from lamina.auto.choose import auto_requested, distribute_auto, forced_options
-
-    if auto_requested(strategy):
-        if placement is not None:
+    requested = _AUTO_REQUEST
+    if strategy == AUTO or requested is not None:
+        if placement is not None and strategy == AUTO:
             raise ConfigError(
                 "strategy 'auto' chooses the placement itself; drop placement= (or name the "
                 "strategy to place it by hand)"
             )
-        if strategy != "auto":  # lamina plan --auto: the script's own strategy is overridden
-            options = forced_options(options)
-        return distribute_auto(distribute, model, runtime, options, _declared_cluster())
+        return _distribute_auto(model, runtime, strategy, options, requested)
+    return _distribute_named(model, strategy, runtime, placement, options)
+
+
+def _distribute_named(
+    model: nn.Module,
+    strategy: str | Sequence[str],
+    runtime: Runtime,
+    placement: Placement | Mapping[str, Placement] | None,
+    options: Mapping[str, Any],
+) -> nn.Module:
+    """``model`` distributed with the strategies named (one, or a composition): what
+    :func:`distribute` runs for strategies given by hand and for ``"auto"``'s choice."""
     if not isinstance(strategy, str):
         given = placement if isinstance(placement, Mapping) else None
         return distribute_composed(model, list(strategy), runtime, given, options)
@@ -81,18 +119,43 @@ def distribute(
     return distribute_with(chosen, model, runtime, where, settings)
 
 
-def _declared_cluster() -> Any:
-    """The cluster ``lamina plan --simulate CLUSTER --auto`` ranks for (None: the job)."""
-    import os
+def _distribute_auto(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str | Sequence[str],
+    options: Mapping[str, Any],
+    requested: AutoRequest | None,
+) -> nn.Module:
+    """``"auto"``: :func:`lamina.auto.choose.choose` chooses, then the choice is applied
+    (:func:`apply_distribution`) and recorded as ``model.lamina_auto``; under ``lamina
+    plan --auto`` (``requested``) whatever ``strategy`` names, and with a declared
+    cluster :class:`~lamina.auto.RankedOnly` carries the ranking instead."""
+    from lamina.auto.choose import RankedOnly, choose, forced_options, rank_cluster
 
-    from lamina.envvars import AUTO_CLUSTER_ENV
+    if strategy != AUTO:  # lamina plan --auto: the script's own strategy is overridden
+        options = forced_options(options)
+    if requested is not None and requested.cluster is not None:
+        from lamina.simulate import load_cluster
 
-    path = os.environ.get(AUTO_CLUSTER_ENV)
-    if not path:
-        return None
-    from lamina.simulate import load_cluster
+        cluster = load_cluster(requested.cluster)
+        raise RankedOnly(rank_cluster(model, runtime, options, cluster))
+    choice = choose(model, runtime, options)
+    distributed = apply_distribution(model, choice.distribution, runtime)
+    distributed.__dict__["lamina_auto"] = choice
+    return distributed
 
-    return load_cluster(path)
+
+def apply_distribution(
+    model: nn.Module, distribution: Distribution, runtime: Runtime | None = None
+) -> nn.Module:
+    """``model`` distributed as ``distribution`` says (``"auto"``'s choice, or any
+    candidate's: :func:`lamina.auto.choose.distribution_for`), through the same sequence
+    as strategies given by hand; every plan it sets up carries ``distribution.meta``."""
+    runtime = runtime or current() or init()
+    with extra_plan_meta(distribution.meta):
+        return _distribute_named(
+            model, distribution.strategy, runtime, distribution.placement, distribution.options
+        )
 
 
 def compile_step(
@@ -108,39 +171,45 @@ def compile_step(
     overlap: bool = False,
 ) -> CompiledStep:
     """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
-    ``hsdp``) as one captured graph: ``loss = step(*inputs, target)`` runs the forward,
-    ``loss_fn(output, target)``, the backward, the plan's collectives and ``optimizer``'s
-    update (see :mod:`lamina.strategies.compiled.step`); ``backend`` is
-    ``torch.compile``'s. What cannot be captured runs the eager step, with the reason in
-    ``step_summary()`` (``on_graph_break="error"``: a graph break raises, naming the
-    module and the operation); a new input shape compiles again, counted, up to
-    ``max_shapes`` shapes, and past that runs eagerly with the reason. With
-    ``eager_random`` (the default) Inductor draws random numbers as eager does, so
-    dropout's masks are the eager step's; False lets it generate its own (other masks).
-    With ``device_graphs`` (the default), where the device captures a step (CUDA graphs)
-    each compiled shape is replayed as one device graph from its second call. With
-    ``overlap``, Inductor issues each collective as soon as its input is computed (DP's
-    buckets where their last gradient is produced) and waits for it as late as it can."""
+    ``hsdp``) as one captured graph, built by the strategy that distributed it
+    (:meth:`~lamina.strategies.contract.Strategy.compiled_step`; another strategy, or a
+    composition, is refused in one line saying what to run instead):
+    ``loss = step(*inputs, target)`` runs the forward, ``loss_fn(output, target)``, the
+    backward, the plan's collectives and ``optimizer``'s update (see
+    :mod:`lamina.strategies.compiled.step`); ``backend`` is ``torch.compile``'s. What
+    cannot be captured runs the eager step, with the reason in ``step_summary()``
+    (``on_graph_break="error"``: a graph break raises, naming the module and the
+    operation); a new input shape compiles again, counted, up to ``max_shapes`` shapes,
+    and past that runs eagerly with the reason. With ``eager_random`` (the default)
+    Inductor draws random numbers as eager does, so dropout's masks are the eager step's;
+    False lets it generate its own (other masks). With ``device_graphs`` (the default),
+    where the device captures a step (CUDA graphs) each compiled shape is replayed as one
+    device graph from its second call. With ``overlap``, Inductor issues each collective
+    as soon as its input is computed (DP's buckets where their last gradient is produced)
+    and waits for it as late as it can."""
     settings = StepOptions(
         backend, max_shapes, on_graph_break, eager_random, device_graphs, overlap
     )
-    if "lamina_tp" in getattr(model, "__dict__", {}):
-        raise ConfigError(
-            "compile_step does not take a tensor-parallel model yet; run its step eagerly "
-            "(loss.backward(); optimizer.step()), or distribute it without 'tp'"
-        )
     runtime = current()
     job = StepJob(runtime.control_group, runtime.handle) if runtime is not None else StepJob()
-    state = getattr(model, "__dict__", {}).get("lamina_dp")
-    if isinstance(state, DataParallelState):
-        return DataParallelCompiledStep(model, state, optimizer, loss_fn, settings, job)
-    if isinstance(model, ShardedModule):
-        return ShardedCompiledStep(model, optimizer, loss_fn, settings, job)
-    strategy = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH, "no strategy")
-    raise ConfigError(
-        f"compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "
-        f"{strategy}); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
-    )
+    name = getattr(model, "__dict__", {}).get(DISTRIBUTED_WITH)
+    if not isinstance(name, str):
+        raise ConfigError(
+            "compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "
+            "no strategy); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
+        )
+    if "+" in name:  # a composition: no strategy compiles another's step
+        eager = (
+            "loss = model.step(inputs, targets, loss_fn); optimizer.step()"
+            if "pp" in name.split("+")
+            else "loss.backward(); optimizer.step()"
+        )
+        raise ConfigError(
+            f"compile_step does not take a model of composed strategies {name!r} yet; run its "
+            f"step eagerly ({eager}), or distribute it with 'dp', 'zero3' or 'hsdp' alone"
+        )
+    strategy = get_strategy(name, runtime.plugins if runtime is not None else None)
+    return strategy.compiled_step(model, optimizer, loss_fn, settings, job)
 
 
 def loss_parallel(model: nn.Module) -> AbstractContextManager[None]:

@@ -27,11 +27,3 @@ def positive_seconds(name: str, *, example: float) -> float | None:
             f"{name}={raw!r} must be a positive number of seconds; set it to e.g. {example:g}"
         )
     return value
-
-
-#: Set (to 1) by ``lamina plan --auto``: ``lamina.distribute`` chooses its strategy as
-#: ``"auto"`` does, whatever the script names.
-AUTO_ENV = "LAMINA_AUTO"
-#: Set by ``lamina plan --simulate CLUSTER.json --auto``: the cluster file ``"auto"``
-#: ranks its candidates for, instead of the running job.
-AUTO_CLUSTER_ENV = "LAMINA_AUTO_CLUSTER"

@@ -4,14 +4,24 @@
 :mod:`lamina.auto.measure` times the model on the device, :mod:`lamina.auto.comm` costs
 each collective (timed on the job, or on a declared cluster),
 :mod:`lamina.auto.predict` predicts each candidate's step time and memory per rank,
-:mod:`lamina.auto.ranking` ranks them, and :mod:`lamina.auto.choose` wires them to
-``lamina.distribute``. ``lamina plan --auto --explain SCRIPT`` prints the ranking.
+:mod:`lamina.auto.ranking` ranks them, and :mod:`lamina.auto.choose` chooses: it returns
+the choice (:class:`AutoChoice`, with the :class:`Distribution` that applies it), which
+``lamina.distribute`` applies as strategies given by hand. ``lamina plan --auto
+--explain SCRIPT`` prints the ranking.
 """
 
 from __future__ import annotations
 
 from lamina.auto.candidates import Candidate, Use, candidates_for
-from lamina.auto.choose import AUTO, AutoChoice, AutoOptions, RankedOnly, distribute_auto
+from lamina.auto.choose import (
+    AUTO,
+    AutoChoice,
+    AutoOptions,
+    Distribution,
+    RankedOnly,
+    choose,
+    rank_cluster,
+)
 from lamina.auto.predict import CandidatePrediction, predict_candidate
 from lamina.auto.ranking import Ranked, Ranking, rank_candidates
 
@@ -21,12 +31,14 @@ __all__ = [
     "AutoOptions",
     "Candidate",
     "CandidatePrediction",
+    "Distribution",
     "Ranked",
     "RankedOnly",
     "Ranking",
     "Use",
     "candidates_for",
-    "distribute_auto",
+    "choose",
     "predict_candidate",
     "rank_candidates",
+    "rank_cluster",
 ]

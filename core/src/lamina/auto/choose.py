@@ -1,4 +1,4 @@
-"""``lamina.distribute(model, "auto")``: measure, predict, rank, check, distribute.
+"""``lamina.distribute(model, "auto")``: measure, predict, rank, check, choose.
 
 1. The model is timed on ``example_inputs`` (:mod:`lamina.auto.measure`), every rank at
    once, and every op of every group the candidates use is timed on the job
@@ -8,10 +8,15 @@
    (:mod:`lamina.auto.ranking`); the fastest that fits the device's memory is chosen,
    or a one-line error says that none fits.
 3. The ranks check that they chose alike (the pre-flight verifier, on the choice and
-   every prediction), then the chosen strategies distribute the model as if given by
-   hand. The ranking goes into the plan's ``meta`` (``auto``: the choice;
-   ``auto_ranking``: every candidate as JSON), the run log's summary, and
-   ``model.lamina_auto`` (:class:`AutoChoice`).
+   every prediction).
+
+:func:`choose` only chooses: it returns an :class:`AutoChoice` whose
+:class:`Distribution` says what to distribute the model with (the strategies by name,
+each one's placement, the options, the plan ``meta`` recording the choice: ``auto`` and
+``auto_ranking``, every candidate as JSON), and ``lamina.distribute`` applies it as it
+applies strategies given by hand, then sets ``model.lamina_auto``. Nothing here
+distributes, keeps state between calls or reads the environment: ``lamina plan --auto``
+asks ``lamina.distribute`` itself (:func:`lamina.api.request_auto`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from lamina.auto.measure import (
 from lamina.auto.ranking import MEMORY_MARGIN, Ranking, rank_candidates
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
-from lamina.strategies.contract import StrategyOptions
+from lamina.strategies.contract import Placement, StrategyOptions
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
@@ -46,9 +51,6 @@ if TYPE_CHECKING:
 
 #: The name ``lamina.distribute`` takes for the automatic choice.
 AUTO = "auto"
-#: The candidates being handed to ``distribute`` (under ``lamina plan --auto`` that call
-#: distributes them, not ``"auto"`` again).
-_HANDING_ON: list[Candidate] = []
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,39 @@ class AutoOptions(StrategyOptions):
 
 
 @dataclass(frozen=True)
+class Distribution:
+    """A candidate as ``lamina.distribute`` takes strategies by hand: their names, each
+    one's :class:`~lamina.strategies.contract.Placement`, the keyword options (each goes
+    to the strategies that take it), and ``meta`` items every plan set up while applying
+    it carries (``"auto"``'s choice and ranking; empty for a candidate given by hand)."""
+
+    strategies: tuple[str, ...]
+    placements: Mapping[str, Placement]
+    options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    meta: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    @property
+    def strategy(self) -> str | list[str]:
+        """``lamina.distribute``'s ``strategy``: one name, or the composition's list."""
+        return self.strategies[0] if len(self.strategies) == 1 else list(self.strategies)
+
+    @property
+    def placement(self) -> Placement | dict[str, Placement]:
+        """``lamina.distribute``'s ``placement``: the one strategy's, or name -> axes."""
+        if len(self.strategies) == 1:
+            return self.placements[self.strategies[0]]
+        return dict(self.placements)
+
+
+@dataclass(frozen=True)
 class AutoChoice:
-    """What ``"auto"`` chose and why, on the distributed model as ``model.lamina_auto``."""
+    """What ``"auto"`` chose and why (:func:`choose`), on the distributed model as
+    ``model.lamina_auto``; ``distribution`` is what ``lamina.distribute`` applied."""
 
     ranking: Ranking
     candidate: Candidate
     profile: ModelProfile = field(repr=False)
+    distribution: Distribution = field(repr=False)
     #: This rank's data replica and how many there are (each takes its own batch).
     replica: tuple[int, int] = (0, 1)
     #: Rows of one replica's batch per step (the global batch over the replicas).
@@ -121,29 +150,21 @@ class RankedOnly(BaseException):
         self.ranking = ranking
 
 
-#: ``lamina.distribute``'s signature, which ``"auto"`` is handed (it sits below the API).
+#: ``lamina.distribute``'s signature (what :func:`distribute_candidate` applies through).
 Distribute = Callable[..., nn.Module]
 
 
-def distribute_auto(
-    distribute: Distribute,
-    model: nn.Module,
-    runtime: Runtime,
-    options: Mapping[str, Any],
-    cluster: Cluster | None = None,
-) -> nn.Module:
-    """``model`` distributed by ``distribute`` (``lamina.distribute``) with the
-    candidate :func:`rank_for` chooses (see the module); with ``cluster``,
-    :class:`RankedOnly` carrying the ranking for it."""
+def choose(model: nn.Module, runtime: Runtime, options: Mapping[str, Any]) -> AutoChoice:
+    """The candidate :func:`rank_for` chooses for ``model`` on the job, with the ranking,
+    the profile and the :class:`Distribution` that applies it (see the module); every
+    rank chooses alike (checked), nothing is distributed. ``options``: ``"auto"``'s
+    (:class:`AutoOptions`); a ConfigError when no candidate fits the device's memory."""
     opts = AutoOptions.from_kwargs(AUTO, options)
-    ranking, profile = rank_for(model, runtime, opts, cluster)
-    if cluster is not None:
-        _check_alike(runtime, ranking, opts)
-        raise RankedOnly(ranking)
+    ranking, profile = rank_for(model, runtime, opts)
     chosen = ranking.choice()
     _check_alike(runtime, ranking, opts)
+    assert chosen.prediction is not None
     if runtime.is_main:
-        assert chosen.prediction is not None
         print(
             f"lamina: strategy 'auto' chose {chosen.candidate.label} (predicted "
             f"{chosen.prediction.step_s * 1e3:.1f} ms per step, "
@@ -152,12 +173,31 @@ def distribute_auto(
             file=sys.stderr,
             flush=True,
         )
-    distributed = _distribute_chosen(distribute, model, runtime, chosen.candidate, opts, ranking)
     candidate = chosen.candidate
-    replica = replica_of(runtime, candidate)
+    meta = (
+        ("auto", f"{candidate.label} (predicted {chosen.prediction.step_s * 1e3:.1f} ms)"),
+        ("auto_ranking", ranking.record()),
+    )
+    inputs = opts.example_inputs
+    assert inputs is not None
+    distribution = distribution_for(
+        candidate, inputs, opts.example_kwargs, verify=opts.verify, meta=meta
+    )
     rows = profile.batch * runtime.world_size // candidate.data_replicas
-    distributed.__dict__["lamina_auto"] = AutoChoice(ranking, candidate, profile, replica, rows)
-    return distributed
+    replica = replica_of(runtime, candidate)
+    return AutoChoice(ranking, candidate, profile, distribution, replica, rows)
+
+
+def rank_cluster(
+    model: nn.Module, runtime: Runtime, options: Mapping[str, Any], cluster: Cluster
+) -> Ranking:
+    """The candidates ranked for the declared ``cluster`` (its mesh, links and device
+    memory; ``model`` timed on this job's device), checked alike on every rank: what
+    ``lamina plan --simulate CLUSTER --auto`` prints (raised as :class:`RankedOnly`)."""
+    opts = AutoOptions.from_kwargs(AUTO, options)
+    ranking, _profile = rank_for(model, runtime, opts, cluster)
+    _check_alike(runtime, ranking, opts)
+    return ranking
 
 
 def rank_for(
@@ -247,51 +287,17 @@ def _check_alike(runtime: Runtime, ranking: Ranking, opts: AutoOptions) -> None:
     preflight(manifest, group=runtime.control_group)
 
 
-def _distribute_chosen(
-    distribute: Distribute,
-    model: nn.Module,
-    runtime: Runtime,
-    candidate: Candidate,
-    opts: AutoOptions,
-    ranking: Ranking,
-) -> nn.Module:
-    from lamina.strategies.wrap_pipeline import extra_plan_meta
-
-    chosen = ranking.chosen
-    assert chosen is not None and chosen.prediction is not None
-    meta = (
-        ("auto", f"{candidate.label} (predicted {chosen.prediction.step_s * 1e3:.1f} ms)"),
-        ("auto_ranking", ranking.record()),
-    )
-    inputs = opts.example_inputs
-    assert inputs is not None
-    with extra_plan_meta(meta):
-        return distribute_candidate(
-            distribute,
-            model,
-            candidate,
-            inputs,
-            opts.example_kwargs,
-            runtime=runtime,
-            verify=opts.verify,
-        )
-
-
-def distribute_candidate(
-    distribute: Distribute,
-    model: nn.Module,
+def distribution_for(
     candidate: Candidate,
     example_inputs: tuple[Any, ...],
     example_kwargs: dict[str, Any] | None = None,
     *,
-    runtime: Runtime | None = None,
     verify: bool = True,
-) -> nn.Module:
-    """``model`` distributed by ``distribute`` (``lamina.distribute``) as ``candidate``
-    says, as if given by hand (what ``"auto"`` does with its choice; a benchmark with
-    every candidate). ``example_inputs``: one rank's batch under data parallelism (a
-    pipeline or tensor-parallel group gets as many rows as its ranks hold)."""
-    from lamina.strategies.contract import Placement
+    meta: tuple[tuple[str, str], ...] = (),
+) -> Distribution:
+    """``candidate`` as ``lamina.distribute`` takes it by hand (pure: nothing runs).
+    ``example_inputs``: one rank's batch under data parallelism (a pipeline or
+    tensor-parallel group gets as many rows as its ranks hold)."""
     from lamina.strategies.registry import get_strategy
 
     options: dict[str, Any] = {}
@@ -312,15 +318,26 @@ def distribute_candidate(
     placements = {
         u.strategy: Placement(shard=u.shard, replicate=u.replicate) for u in candidate.uses
     }
-    _HANDING_ON.append(candidate)  # the chosen strategies, not "auto" again
-    try:
-        if len(names) == 1:
-            return distribute(
-                model, names[0], placement=placements[names[0]], runtime=runtime, **options
-            )
-        return distribute(model, list(names), placement=placements, runtime=runtime, **options)
-    finally:
-        _HANDING_ON.pop()
+    return Distribution(names, placements, options, meta)
+
+
+def distribute_candidate(
+    distribute: Distribute,
+    model: nn.Module,
+    candidate: Candidate,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    runtime: Runtime | None = None,
+    verify: bool = True,
+) -> nn.Module:
+    """``model`` distributed by ``distribute`` (``lamina.distribute``) as ``candidate``
+    says, its strategies named as by hand (:func:`distribution_for`; a benchmark
+    distributes every candidate so)."""
+    given = distribution_for(candidate, example_inputs, example_kwargs, verify=verify)
+    return distribute(
+        model, given.strategy, placement=given.placement, runtime=runtime, **given.options
+    )
 
 
 def replica_of(runtime: Runtime, candidate: Candidate) -> tuple[int, int]:
@@ -355,15 +372,6 @@ def device_memory_bytes(runtime: Runtime) -> int | None:
     return None
 
 
-def auto_requested(strategy: object) -> bool:
-    """Whether ``lamina.distribute`` is to choose: ``"auto"`` given, or ``lamina plan
-    --auto`` running the script."""
-    from lamina.envvars import AUTO_ENV
-
-    forced = os.environ.get(AUTO_ENV) == "1" and not _HANDING_ON
-    return strategy == AUTO or forced
-
-
 def forced_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """Under ``lamina plan --auto`` with a script naming another strategy: the options
     ``"auto"`` takes (its example inputs), the others dropped."""
@@ -374,12 +382,14 @@ __all__ = [
     "AUTO",
     "AutoChoice",
     "AutoOptions",
+    "Distribution",
     "RankedOnly",
-    "auto_requested",
+    "choose",
     "device_memory_bytes",
-    "distribute_auto",
     "distribute_candidate",
+    "distribution_for",
     "forced_options",
+    "rank_cluster",
     "rank_for",
     "replica_of",
 ]

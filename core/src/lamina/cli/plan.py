@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from lamina.cli.exit_status import NO_PLAN_STATUS, VERIFY_FAILED_STATUS
 from lamina.cli.run import LaunchPlan, check_backend, launch
-from lamina.envvars import AUTO_CLUSTER_ENV, AUTO_ENV, BACKEND_ENV, VERIFY_TIMEOUT_ENV
+from lamina.envvars import BACKEND_ENV, VERIFY_TIMEOUT_ENV
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, explain
 
@@ -110,14 +110,13 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.mesh is not None:  # overrides the file's "mesh"
             cluster = with_mesh(cluster, parse_mesh_option(args.mesh), "--mesh", "mesh")
         args.nproc_per_node = max(SIMULATE_RANKS, args.nproc_per_node)
-    env: dict[str, str] = {}
-    if args.auto:
-        env[AUTO_ENV] = "1"
-        if args.simulate is not None:
-            env[AUTO_CLUSTER_ENV] = str(Path(args.simulate).resolve())
     with tempfile.TemporaryDirectory(prefix="lamina-plan-") as tmp:
         runner = ["--stop", "plan", "--out", tmp]
-        status = _launch(args, runner, env, quiet_dir=Path(tmp) / "logs")
+        if args.auto:  # the ranks' runner asks lamina.distribute to choose
+            runner.append("--auto")
+            if args.simulate is not None:
+                runner += ["--cluster", str(Path(args.simulate).resolve())]
+        status = _launch(args, runner, quiet_dir=Path(tmp) / "logs")
         ranked = Path(tmp) / "ranking.json"
         if args.auto and status == 0 and ranked.is_file():
             return _print_ranking(args, json.loads(ranked.read_text()), None)

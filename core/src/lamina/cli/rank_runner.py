@@ -1,12 +1,14 @@
 """What each rank of ``lamina plan`` / ``lamina verify`` runs: the user's script, up to
 its first collective.
 
-torchrun starts ``python -m lamina.cli.rank_runner --stop plan|verify [--out DIR] --
-SCRIPT ARGS``. The runner asks lamina to stop there
-(:func:`lamina.strategies.preflight.request_stop`) and runs SCRIPT as ``__main__``; the
-strategy the script wraps its model with plans, then raises
-:class:`~lamina.strategies.preflight.StopBeforeFirstCollective` (after the pre-flight
-check, for ``verify``), which this runner turns into the plan file or the verdict:
+torchrun starts ``python -m lamina.cli.rank_runner --stop plan|verify [--out DIR]
+[--auto [--cluster CLUSTER.json]] -- SCRIPT ARGS``. The runner asks lamina to stop there
+(:func:`lamina.strategies.preflight.request_stop`), with ``--auto`` to choose the
+strategy as ``"auto"`` does whatever the script names (:func:`lamina.api.request_auto`),
+and runs SCRIPT as ``__main__``; the strategy the script wraps its model with plans, then
+raises :class:`~lamina.strategies.preflight.StopBeforeFirstCollective` (after the
+pre-flight check, for ``verify``), which this runner turns into the plan file or the
+verdict:
 
 - ``plan``: rank 0 writes ``DIR/plan.json``, rank r ``DIR/plan.rank<r>.json``; exit 0;
 - ``plan`` under ``lamina plan --simulate CLUSTER --auto``: ``"auto"`` ranks its
@@ -64,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lamina.cli.rank_runner")
     parser.add_argument("--stop", choices=("plan", "verify"), required=True)
     parser.add_argument("--out", default=None, help="folder for the plan files (plan)")
+    parser.add_argument(
+        "--auto", action="store_true", help="choose the strategy as 'auto' does (plan --auto)"
+    )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        metavar="CLUSTER.json",
+        help="with --auto: rank the candidates for this declared cluster, distribute nothing",
+    )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
@@ -74,8 +85,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = _parser().parse_args(argv)
     if args.stop == "plan" and not args.out:
         _finish(2, "lamina plan: the rank runner needs --out DIR")
+    if args.cluster is not None and not args.auto:
+        _finish(2, "lamina plan: the rank runner takes --cluster with --auto only")
     rank = int(os.environ.get("RANK", "0"))
     request_stop(args.stop)
+    if args.auto:
+        from lamina.api import AutoRequest, request_auto
+
+        request_auto(AutoRequest(cluster=args.cluster))
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, str(Path(args.script).resolve().parent))
     from lamina.auto.choose import RankedOnly

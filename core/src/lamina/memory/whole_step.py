@@ -30,11 +30,6 @@ class WholeStepGather:
         self._leaves: dict[int, dict[str, nn.Parameter]] = {}
 
     @property
-    def replicas(self) -> int:
-        """Copies of each shard (HSDP's replicas; 1 for ZeRO-3)."""
-        return self.engine.units[0].replicas if self.engine.units else 1
-
-    @property
     def open(self) -> bool:
         """Whether a step holds the whole parameters now."""
         return self.engine.whole_step

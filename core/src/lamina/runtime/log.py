@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lamina.errors import ConfigError
+from lamina.runtime.nodes import Transfer
 from lamina.runtime.plan import ExecutionPlan
 from lamina.trace.events import SpanEvent
 from lamina.trace.recorder import IssueHandle, get_recorder
@@ -31,11 +32,15 @@ class FallbackEvent:
 
 @dataclass
 class StepRecord:
-    """Collectives one step issued (by node id) and the bytes they moved."""
+    """Collectives one step issued (by node id) and the bytes they moved; a pipeline's
+    sends and recvs (by their ``send`` / ``recv`` node ids) apart from them."""
 
     step: int
     issued: Counter[str] = field(default_factory=Counter)
     nbytes: int = 0
+    #: Point-to-point sends and recvs issued, by plan node id, and their bytes by node.
+    transfers: Counter[str] = field(default_factory=Counter)
+    transfer_bytes: Counter[str] = field(default_factory=Counter)
     fallbacks: list[FallbackEvent] = field(default_factory=list)
     #: A backward that synchronizes gradients ended in this step (with one rank, where
     #: nothing is issued, this is what ends a step; under ``no_sync`` nothing does).
@@ -63,7 +68,8 @@ class RunLog:
     def begin_step(self) -> None:
         """Close the current step (if it issued anything or synchronized a backward) and
         open the next one; forwards of micro-batches under ``no_sync`` stay one step."""
-        if self.current.issued or self.current.fallbacks or self.current.synced:
+        current = self.current
+        if current.issued or current.transfers or current.fallbacks or current.synced:
             self.last = self.current
             self.current = StepRecord(step=self.current.step + 1)
         recorder = get_recorder()
@@ -130,6 +136,15 @@ class RunLog:
         self.current.issued[node_id] += 1
         self.current.nbytes += node.collective.nbytes if nbytes is None else nbytes
 
+    def transfer(self, node_id: str, nbytes: int | None = None) -> None:
+        """Record that the send or recv of ``node_id`` (a planned pipeline transfer) was
+        issued, moving ``nbytes`` (default: the plan's)."""
+        node = self.plan.node(node_id)
+        if not isinstance(node.detail, Transfer):
+            raise ConfigError(f"plan node {node_id!r} is not a send or recv; fix the engine")
+        self.current.transfers[node_id] += 1
+        self.current.transfer_bytes[node_id] += node.detail.nbytes if nbytes is None else nbytes
+
     def recompiled(self) -> None:
         """A compiled step was compiled again (a new input shape) in the current step."""
         self.current.recompiles += 1
@@ -165,6 +180,9 @@ class RunLog:
             f"step {record.step}: {done}/{len(planned)} planned collectives, "
             f"{sum(record.issued.values())} issued, {format_bytes(record.nbytes)}"
         ]
+        if record.transfers:
+            moved = format_bytes(sum(record.transfer_bytes.values()))
+            parts.append(f"{sum(record.transfers.values())} sends/recvs, {moved}")
         chosen = dict(self.plan.meta).get("auto")
         if chosen:
             parts.append(f"auto chose {chosen}")

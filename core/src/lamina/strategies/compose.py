@@ -10,10 +10,16 @@ microbatches and reduce-scatters the summed gradients after the last
 holding the same stages. ``["pp", "tp"]`` and ``["pp", "tp", "zero3"]`` (3-D) split each
 stage's layers over ``tp`` too: ``tp`` is applied first, since the cut is found from a
 forward of the whole (split) model, then ``pp``, then the sharder (:data:`APPLY_ORDER`);
-without a sharder the pipelines replicate over the axes left. Each strategy plans,
-verifies across ranks and sets up as it does alone
-(:func:`~lamina.strategies.wrap_pipeline.distribute_with`); the composed model's plan
-holds every strategy's collectives and transfers, each on its axes.
+without a sharder the pipelines replicate over the axes left.
+
+Which strategies compose, and in which order, follows from the roles they declare
+(:attr:`~lamina.strategies.contract.Strategy.role`, ``holds_after``; :func:`check_order`),
+so a plugin's strategy composes by the same declaration. Each strategy plans, verifies
+across ranks, sets up and places the model's parameters as it does alone
+(:func:`~lamina.strategies.wrap_pipeline.distribute_with`), given what the earlier ones
+placed (:mod:`lamina.runtime.placement`); a sharder that finds a pipeline there declares
+the whole-step gather the pipeline's steps use. The composed model's plan holds every
+strategy's collectives and transfers, each on its axes.
 """
 
 from __future__ import annotations
@@ -27,39 +33,29 @@ from torch.distributed.tensor import DTensor
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
-from lamina.memory.engine import Zero3Engine
-from lamina.memory.whole_step import WholeStepGather
 from lamina.runtime import ExecutionPlan
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
 from lamina.strategies.extension import extend_class
 from lamina.strategies.pp.module import PipelinedModule, Pipelining
 from lamina.strategies.registry import get_strategy
+from lamina.strategies.surface import DistributedModule
 from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 
 if TYPE_CHECKING:
     from lamina.session import Runtime
 
-#: The compositions lamina runs, as the user names them: a leading strategy, then the
-#: strategies on the other axes.
-COMPOSITIONS: tuple[tuple[str, ...], ...] = (
-    ("tp", "zero3"),
-    ("tp", "hsdp"),
-    ("pp", "zero3"),
-    ("pp", "hsdp"),
-    ("pp", "tp"),
-    ("pp", "tp", "zero3"),
-)
-#: The order they are applied in: ``tp`` splits the layers first (``pp`` cuts the split
-#: model from one of its forwards, which needs the whole model), then ``pp`` prunes each
-#: rank to its stages, then ``zero3`` / ``hsdp`` shards what is left.
-APPLY_ORDER = ("tp", "pp", "zero3", "hsdp")
-#: The strategies that shard parameters over the axes the others leave.
-SHARDERS = ("zero3", "hsdp")
+#: The order strategies are named in, by their declared role (outermost axis first, as
+#: ``["pp", "tp", "zero3"]``): a pipeline, then a split, then a sharder or replicator.
+NAMING_ORDER = ("pipeline", "split", "shard", "replicate")
+#: The order they are applied in, by role: a split first (``pp`` cuts the split model
+#: from one of its forwards, which needs the whole model), then the pipeline prunes each
+#: rank to its stages, then a sharder shards what is left.
+APPLY_ORDER = ("split", "pipeline", "shard", "replicate")
 #: Plan node kinds an earlier strategy's plan adds to the composed one.
 _CARRIED_KINDS = ("collective", "send", "recv")
 
 
-class ComposedModule(nn.Module):
+class ComposedModule(DistributedModule):
     """A model distributed by several strategies: one plan holding all their nodes."""
 
     lamina_composed: tuple[ExecutionPlan, ...]
@@ -99,17 +95,18 @@ def distribute_composed(
 ) -> nn.Module:
     """``model`` distributed by ``names`` (see the module)."""
     chosen = [get_strategy(n, runtime.plugins) for n in names]
-    _check_order([s.name for s in chosen])
-    named = {s.name for s in chosen}
-    sharder = next((s for s in chosen if s.name in SHARDERS), None)
-    if "pp" in named and sharder is not None:  # one gather per step serves every microbatch
+    applied = check_order(chosen)
+    roles = {s.role for s in chosen}
+    sharder = next((s for s in chosen if s.role == "shard"), None)
+    pipelined = "pipeline" in roles
+    if pipelined and sharder is not None:  # one gather per step serves every microbatch
         options = {"reshard_after_forward": False, **options}
     settings = _route_options(chosen, options)
     where = _placements(chosen, runtime.mesh, placement)
     held, plans, over = model, [], None
-    for strategy in sorted(chosen, key=lambda s: APPLY_ORDER.index(s.name)):
+    for strategy in applied:
         verify_group = None
-        if strategy is sharder and "pp" in named:
+        if strategy is sharder and pipelined:
             # stages differ by design: the sharder's plans agree among one stage's ranks
             place = where[strategy.name]
             verify_group = runtime.mesh.group_over((*place.shard, *place.replicate))[0]
@@ -124,13 +121,11 @@ def distribute_composed(
         )
         plans.append(held.execution_plan)
         over = held.__dict__.get(DISTRIBUTED_WITH)
-    if sharder is not None and "tp" in named:
-        _attach_views(held, runtime.mesh, where["tp"].shard[0], where[sharder.name])
+    splitter = next((s for s in chosen if s.role == "split"), None)
+    if sharder is not None and splitter is not None:
+        _attach_views(held, runtime.mesh, where[splitter.name].shard[0], where[sharder.name])
     earlier = tuple(plans[:-1])
-    if "pp" in named:
-        _pipeline_over_splits(held)
-        if sharder is not None:
-            _gather_stages_per_step(held)
+    if pipelined:
         held = extend_class(held, PipelinedComposedModule, {}, "lamina_composed", earlier)
     else:
         held = extend_class(held, ComposedModule, {}, "lamina_composed", earlier)
@@ -143,15 +138,7 @@ class PipelinedComposedModule(ComposedModule):
     methods, which span every stage and shard, come before the sharded model's."""
 
     lamina_pp: Pipelining
-    clip_grad_norm_ = PipelinedModule.clip_grad_norm_
     step_summary = PipelinedModule.step_summary
-
-
-def _gather_stages_per_step(model: nn.Module) -> None:
-    """The pipeline's steps gather the sharded stages once for all their microbatches."""
-    pipelining, sharding = model.__dict__["lamina_pp"], model.__dict__["lamina_sharding"]
-    assert isinstance(sharding.engine, Zero3Engine)
-    pipelining.engine.sharding = WholeStepGather(sharding.engine)
 
 
 def _attach_views(model: nn.Module, mesh: DeviceMesh, tp_axis: str, sharded: Placement) -> None:
@@ -165,23 +152,36 @@ def _attach_views(model: nn.Module, mesh: DeviceMesh, tp_axis: str, sharded: Pla
     tp.views.attach(mesh.torch_mesh, tp_axis, sharded_mesh, axes)
 
 
-def _pipeline_over_splits(model: nn.Module) -> None:
-    """The pipeline's gradient norm counts each tensor-parallel slice once and each
-    parameter the tp ranks replicate once (tp composed before ``pp``)."""
-    tp = model.__dict__.get("lamina_tp")
-    if tp is not None:
-        engine = model.__dict__["lamina_pp"].engine
-        engine.tensor_split = frozenset(tp.views.splits)
-        engine.tensor_size = tp.group.size
-
-
-def _check_order(names: list[str]) -> None:
-    if tuple(names) not in COMPOSITIONS:
-        listed = ", ".join(str(list(c)) for c in COMPOSITIONS)
+def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
+    """``chosen`` in the order they are applied, by their declared roles: one strategy per
+    role, named pipeline first, then split, then sharder; each applied after others must
+    hold a model of their roles (:attr:`~lamina.strategies.contract.Strategy.holds_after`).
+    A ConfigError in one line naming the fix otherwise."""
+    names = [s.name for s in chosen]
+    roles = [s.role for s in chosen]
+    repeated = sorted({r for r in roles if roles.count(r) > 1})
+    if repeated:
+        twice = [s.name for s in chosen if s.role == repeated[0]]
         raise ConfigError(
-            f"strategies {names} do not compose; compose a leading strategy with those on "
-            f"the other mesh axes, in this order: {listed}"
+            f"strategies {names}: {twice} both {repeated[0]} the model; compose at most one "
+            "strategy of each role (pipeline, split, shard or replicate)"
         )
+    named = sorted(chosen, key=lambda s: NAMING_ORDER.index(s.role))
+    if [s.name for s in named] != names:
+        raise ConfigError(
+            f"strategies {names} are named out of order; name the pipeline, then the split, "
+            f"then the sharder: {[s.name for s in named]}"
+        )
+    applied = sorted(chosen, key=lambda s: APPLY_ORDER.index(s.role))
+    for at, strategy in enumerate(applied):
+        earlier = [s for s in applied[:at] if s.role not in strategy.holds_after]
+        if earlier:
+            raise ConfigError(
+                f"strategies {names} do not compose: {strategy.name!r} cannot hold a model "
+                f"{earlier[0].name!r} has placed ({earlier[0].role}); compose {strategy.name!r} "
+                "with a split (tp) or a pipeline (pp) before it, or use it alone"
+            )
+    return applied
 
 
 def _route_options(
@@ -205,15 +205,16 @@ def _route_options(
 def _placements(
     chosen: list[Strategy], mesh: DeviceMesh, given: Mapping[str, Placement] | None
 ) -> dict[str, Placement]:
-    """Each strategy's axes: as given, else ``pp`` and ``tp`` on their own axis and the
-    sharder on the rest (``zero3`` shards them all; ``hsdp`` shards the innermost,
-    replicates the others); with no sharder, ``pp`` replicates over the rest. Every mesh
-    axis must be placed once."""
+    """Each strategy's axes: as given, else a pipeline (``pp``) and a split (``tp``) on
+    their own axis and the sharder on the rest (``zero3`` shards them all; ``hsdp``
+    shards the innermost, replicates the others); with no sharder, the pipeline
+    replicates over the rest. Every mesh axis must be placed once."""
     given = dict(given or {})
     unknown = [n for n in given if n not in {s.name for s in chosen}]
     if unknown:
         raise ConfigError(f"placement names strategy {unknown[0]!r}, which is not composed here")
-    sharder = next((s for s in chosen if s.name in SHARDERS), None)
+    sharder = next((s for s in chosen if s.role == "shard"), None)
+    pipeline = next((s for s in chosen if s.role == "pipeline"), None)
     # a leading strategy takes its own axis only: the sharder syncs the others
     where = {
         s.name: given.get(s.name) or Placement(shard=s.default_placement(mesh).shard)
@@ -228,8 +229,9 @@ def _placements(
             f"{sharder.name!r} an axis: lamina.init(mesh={{'fsdp': N, 'tp': M}})"
         )
     if sharder is None:
-        if rest and "pp" not in given:  # the pipelines replicate over the data axes
-            where["pp"] = Placement(shard=where["pp"].shard, replicate=rest)
+        if rest and pipeline is not None and pipeline.name not in given:
+            # the pipelines replicate over the data axes
+            where[pipeline.name] = Placement(shard=where[pipeline.name].shard, replicate=rest)
     elif sharder.name in given:
         where[sharder.name] = given[sharder.name]
     elif sharder.name == "hsdp" and len(rest) > 1:

@@ -33,7 +33,7 @@ import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,12 @@ from torch import nn
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
+from lamina.runtime.placement import AxisPlacement, Replicate, Role
 from lamina.strategies.context import StrategyContext
 from lamina.verify import PreflightReport
+
+if TYPE_CHECKING:
+    from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 
 #: Manifest items a strategy contributes: (category, canonical lines) pairs.
 ManifestItems = tuple[tuple[str, tuple[str, ...]], ...]
@@ -129,6 +133,8 @@ class StepInputs:
 
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: What :meth:`Strategy.measure` timed on the job before planning (None: nothing).
+    measured: Any = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,15 @@ class Strategy(abc.ABC):
         """The distributed model (a module with ``execution_plan`` and ``step_summary``)
         as ``planned`` says, verified and set up by lamina."""
 
+    def measure(
+        self, model: nn.Module, ctx: StrategyContext, placement: Placement, options: StrategyOptions
+    ) -> Any:
+        """What the strategy times on the job before it plans (collective: every rank
+        runs it at once, right before :meth:`plan`); the result reaches :meth:`plan` as
+        ``inputs.measured``, so planning itself issues no collective. Default: None,
+        nothing measured."""
+        return None
+
     def plans_at_first_forward(self, options: StrategyOptions) -> bool:
         """Whether the plan waits for a forward's inputs (default: no, planned at once)."""
         return False
@@ -233,9 +248,65 @@ class Strategy(abc.ABC):
         unchanged."""
         return model
 
+    #: What it does on the axes it shards over (:data:`~lamina.runtime.placement.ROLES`):
+    #: ``split`` (cuts layers: tp), ``pipeline`` (stages: pp), ``shard`` (parameters
+    #: sharded: zero3, hsdp) or ``replicate`` (whole copies: dp). Its replicate axes
+    #: replicate. Composition orders strategies by it (:mod:`lamina.strategies.compose`).
+    role: ClassVar[str] = "replicate"
+    #: Roles of strategies applied before it whose model it can hold (composed after
+    #: them): a sharder holds a split or pipelined model; by default, none.
+    holds_after: ClassVar[frozenset[str]] = frozenset()
+
+    def roles(self, placement: Placement) -> tuple[Role, ...]:
+        """What it declares on ``placement``'s axes: :attr:`role` over the shard axes,
+        ``replicate`` over the replicate axes. Batches differ across every axis but a
+        split's or a pipeline's."""
+        data = self.role not in ("split", "pipeline")
+        declared = []
+        if placement.shard:
+            declared.append(Role(self.name, self.role, placement.shard, data=data))
+        if placement.replicate:
+            declared.append(Role(self.name, "replicate", placement.replicate, data=True))
+        return tuple(declared)
+
+    def place_parameters(
+        self, model: nn.Module, placement: Placement
+    ) -> Mapping[str, Mapping[str, AxisPlacement]]:
+        """Parameters whose placement on its axes differs from its role's default
+        (``split``: replicated; ``shard``: rows sharded, a 0-dim parameter replicated;
+        ``replicate``: replicated; ``pipeline``: held by this rank's stage), by name:
+        a split's cut tensors, a pipeline's tied weights. Default: the 0-dim parameters
+        a sharder replicates."""
+        if self.role != "shard":
+            return {}
+        return {
+            name: {axis: Replicate() for axis in placement.shard}
+            for name, p in model.named_parameters()
+            if p.dim() == 0
+        }
+
     def describe(self) -> str:
         """``name: summary (options: a, b, c)``."""
         return f"{self.name}: {self.summary} (options: {', '.join(self.options.names())})"
+
+    def compiled_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        settings: StepOptions,
+        job: StepJob,
+    ) -> CompiledStep:
+        """``model``'s whole training step (forward, loss, backward, the plan's collectives,
+        ``optimizer``'s update) as one captured graph: what ``lamina.compile_step`` returns
+        for a model this strategy distributed (:mod:`lamina.strategies.compiled`).
+        Default: a one-line ConfigError naming the strategy and what to run instead; a
+        strategy whose step compiles overrides it (``dp``, ``zero3``, ``hsdp``)."""
+        raise ConfigError(
+            f"compile_step does not take a model distributed with {self.name!r}: the strategy "
+            "does not compile its step; run it eagerly (loss.backward(); optimizer.step()), "
+            "or distribute the model with 'dp', 'zero3' or 'hsdp'"
+        )
 
 
 def axis_names(mesh: DeviceMesh, wanted: Sequence[str], strategy: str) -> tuple[str, ...]:

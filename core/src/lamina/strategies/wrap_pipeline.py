@@ -37,6 +37,7 @@ from lamina.strategies.contract import (
     StrategyOptions,
 )
 from lamina.strategies.preflight import before_first_collective, verify_plan
+from lamina.strategies.surface import PLACEMENT_KEY, place_model, role_default
 from lamina.verify import PreflightReport
 
 if TYPE_CHECKING:
@@ -74,18 +75,34 @@ def distribute_with(
     ``verify_group`` the ranks whose plans must agree (None: every rank)."""
     _check_distributable(model, strategy.name, over)
     ctx = StrategyContext.of(session)
+    held = model.__dict__.get(PLACEMENT_KEY) if over is not None else None
 
     prepared = model
 
     def plan_and_build(inputs: StepInputs | None) -> nn.Module:
+        measured = strategy.measure(prepared, ctx, placement, options)
+        if measured is not None:
+            inputs = replace(inputs or StepInputs(), measured=measured)
         planned = strategy.plan(prepared, ctx, placement, options, inputs)
         ready = set_up(session, planned, verify=options.verify, group=verify_group)
         built = strategy.build(ready)
         built.__dict__[DISTRIBUTED_WITH] = strategy.name
+        place(built)
         return built
+
+    def place(module: nn.Module) -> None:
+        """The strategy's roles and parameter placements added to what ``module``'s
+        earlier strategies placed (:mod:`lamina.runtime.placement`)."""
+        roles = strategy.roles(placement)
+        coordinates = ctx.mesh.coordinates()
+        defaults = {a: role_default(r.role, coordinates[a]) for r in roles for a in r.axes}
+        given = strategy.place_parameters(module, placement)
+        per_param = {n: dict(axes) for n, axes in given.items()}
+        place_model(module, ctx.mesh, held, roles, per_param, defaults)
 
     prepared = strategy.prepare(model, ctx, placement, options, plan_and_build)
     prepared.__dict__[DISTRIBUTED_WITH] = strategy.name
+    place(prepared)
     if strategy.plans_at_first_forward(options):
         return prepared
     return plan_and_build(None)

@@ -8,6 +8,9 @@ in place), :mod:`.compiled` (the compiled forward and its fallback to eager).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 
 from lamina.device.mesh import DeviceMesh
@@ -24,6 +27,9 @@ from lamina.strategies.contract import (
 from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.dp.wrapper import DataParallelModule, replicate_module
+
+if TYPE_CHECKING:
+    from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 
 
 class DataParallelStrategy(Strategy):
@@ -83,6 +89,26 @@ class DataParallelStrategy(Strategy):
         assert isinstance(model, DataParallelModule)
         model.lamina_dp.install(model, planned)
         return model
+
+    def compiled_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        settings: StepOptions,
+        job: StepJob,
+    ) -> CompiledStep:
+        """The data-parallel step as one graph: the forward of the model's own class, the
+        backward, the plan's bucket all-reduces, the update
+        (:class:`~lamina.strategies.dp.compiled_step.DataParallelCompiledStep`)."""
+        from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
+
+        if not isinstance(model, DataParallelModule):
+            raise ConfigError(
+                f"compile_step: this {type(model).__name__} was not extended by 'dp'; call "
+                "lamina.distribute(model, 'dp') and pass the model it returns"
+            )
+        return DataParallelCompiledStep(model, model.lamina_dp, optimizer, loss_fn, settings, job)
 
 
 __all__ = [

@@ -36,10 +36,11 @@ from lamina.strategies.contract import Placement, PlanAndBuild, StepInputs
 from lamina.strategies.dp.options import DataParallelOptions
 from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.extension import extend_class
+from lamina.strategies.surface import DistributedModule
 from lamina.verify import PreflightReport
 
 
-class DataParallelModule(nn.Module):
+class DataParallelModule(DistributedModule):
     """The methods a model distributed with ``dp`` gains (its class is extended, not
     wrapped). Parameters and buffers are broadcast from the group's first rank when the
     plan is built, and buffers again before every training forward (as torch DDP does),
@@ -83,10 +84,6 @@ class DataParallelModule(nn.Module):
     def step_summary(self) -> str:
         """One line: collectives of the last step and every fallback taken."""
         return self.lamina_dp.step_summary()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the (already averaged) gradients."""
-        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -16,7 +16,8 @@ pipeline.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
+from lamina.runtime.placement import AxisPlacement, Stage
 from lamina.strategies.coalesced import dtype_totals
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
@@ -46,14 +48,43 @@ from lamina.strategies.pp.plan_nodes import build_pipeline_plan
 from lamina.strategies.pp.schedules import schedule_kind
 from lamina.strategies.pp.stages import build_stages
 
+if TYPE_CHECKING:
+    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions
+
 #: Mesh axes the pipeline goes on by default, in order of preference.
 PP_AXES = ("pp", "inter")
+
+
+@dataclass(frozen=True)
+class StageTimings:
+    """What :meth:`PipelineStrategy.measure` found: the chain of blocks and their costs."""
+
+    chain: BlockChain
+    costs: BlockCosts
+
+
+@dataclass(frozen=True)
+class PipelinePlanned:
+    """What the pipeline's build needs beyond the plan (``PlannedStep.inputs``)."""
+
+    chain: BlockChain
+    cut: StageCut
+    layout: PipelineLayout
+    options: PipelineOptions
+    #: Each weight tied across stages: its first name, element count, the stages holding it.
+    tie_facts: tuple[tuple[str, int, tuple[int, ...]], ...]
+    #: The cut described, a line per stage.
+    lines: tuple[str, ...]
+    #: The group averaging the pipelines (None: one pipeline, or a sharder syncs them).
+    replica_group: dist.ProcessGroup | None
 
 
 class PipelineStrategy(Strategy):
     """Cuts the model into stages along one mesh axis (see the module)."""
 
     name = "pp"
+    role = "pipeline"
+    holds_after = frozenset({"split"})
     summary = "pipeline parallelism: the model cut into stages along the pp axis"
     options = PipelineOptions
 
@@ -69,6 +100,24 @@ class PipelineStrategy(Strategy):
             )
         return Placement(shard=(axis,), replicate=tuple(a for a in axes if a != axis))
 
+    def measure(
+        self, model: nn.Module, ctx: StrategyContext, placement: Placement, options: StrategyOptions
+    ) -> StageTimings:
+        """The chain of blocks found from one microbatch's forward, and each block's
+        forward and backward timed on every rank at once (a barrier before each timed
+        run, as every rank computes at once in a step); rank 0's figures, broadcast, so
+        every rank cuts the same stages."""
+        assert isinstance(options, PipelineOptions)
+        args, kwargs = _microbatch(options, options.microbatches, ctx.device)
+
+        def run() -> Any:
+            return model(*args, **kwargs)
+
+        chain = find_chain(model, run)
+        together = dist.barrier if dist.is_initialized() else lambda: None
+        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together))
+        return StageTimings(chain, costs)
+
     def plan(
         self,
         model: nn.Module,
@@ -77,7 +126,8 @@ class PipelineStrategy(Strategy):
         options: StrategyOptions,
         inputs: StepInputs | None = None,
     ) -> PlannedStep:
-        """The cut, measured on one microbatch, and the whole pipeline's plan."""
+        """The cut from the measured blocks (``inputs.measured``: :meth:`measure`'s) and
+        the whole pipeline's plan; no collective."""
         assert isinstance(options, PipelineOptions)
         if len(placement.shard) != 1:
             raise ConfigError(
@@ -92,16 +142,14 @@ class PipelineStrategy(Strategy):
             torch_mesh.mesh, ctx.mesh.axis_names.index(axis), kind, options.virtual_stages,
             ctx.rank, replicate,
         )  # fmt: skip
-        args, kwargs = _microbatch(options, options.microbatches, ctx.device)
-
-        def run() -> Any:
-            return model(*args, **kwargs)
-
-        chain = find_chain(model, run)
+        timings = inputs.measured if inputs is not None else None
+        if not isinstance(timings, StageTimings):
+            raise ConfigError(
+                "strategy 'pp' plans from its blocks' measured times; distribute the model "
+                "with lamina.distribute(model, 'pp', ...), which measures them first"
+            )
+        chain, costs = timings.chain, timings.costs
         count = layout.stage_count
-        # every rank times each block at once, as every rank computes at once in a step
-        together = dist.barrier if dist.is_initialized() else lambda: None
-        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together))
         holders = [layout.holder(s) for s in range(count)]
         cut = cut_stages(chain, count, costs, options.split_points, holders, options.microbatches)
         lines = _describe(chain, cut, layout)
@@ -142,15 +190,18 @@ class PipelineStrategy(Strategy):
             plan,
             (("pipeline_cut", tuple(lines)),),
             SetupBroadcast(state, setup_ranks[0], setup_group),  # before it is cut
-            (chain, cut, layout, options, tie_facts, lines, replica_group),
+            PipelinePlanned(
+                chain, cut, layout, options, tuple(tie_facts), tuple(lines), replica_group
+            ),
             leading_manifest=(("pipeline_transfers", tuple(_transfer_lines(chain, cut, layout))),),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model pruned to this rank's stages, with ``step`` running the schedule."""
-        chain, cut, layout, options, tie_facts, lines, replica_group = planned.inputs
-        assert isinstance(chain, BlockChain) and isinstance(cut, StageCut)
-        assert isinstance(layout, PipelineLayout)
+        held = planned.inputs
+        assert isinstance(held, PipelinePlanned)
+        chain, cut, layout, options = held.chain, held.cut, held.layout, held.options
+        tie_facts, lines, replica_group = held.tie_facts, held.lines, held.replica_group
         model = planned.module
         mine = layout.stages_of(layout.pipeline_rank)
         names_of = {names[0]: tuple(names) for names, _param in _tied(model)}
@@ -162,8 +213,7 @@ class PipelineStrategy(Strategy):
             groups = [tuple(p[r] for r in pranks) for p in layout.pipelines]
             group = _group_for(groups, layout.rank) if len(pranks) > 1 else None
             if layout.pipeline_rank in pranks:
-                first = layout.pipeline_rank == pranks[0]
-                ties.append(TiedWeight(name, names_of[name], group, counted_here=first))
+                ties.append(TiedWeight(name, names_of[name], group, tuple(pranks)))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         log = planned.log()
         engine = PipelineEngine(
@@ -172,6 +222,38 @@ class PipelineStrategy(Strategy):
         )  # fmt: skip
         state = Pipelining(engine, cut, planned.plan, log, planned.preflight, tuple(lines))
         return extend_class(model, PipelinedModule, {}, "lamina_pp", state)
+
+    def place_parameters(
+        self, model: nn.Module, placement: Placement
+    ) -> dict[str, dict[str, AxisPlacement]]:
+        """A weight tied across stages: held by every pipeline rank of those stages (the
+        others by this rank's stage alone)."""
+        held = model.__dict__.get("lamina_pp")
+        if held is None:  # not built yet: no stage holds anything apart
+            return {}
+        axis = placement.shard[0]
+        own = {n for n, _ in model.named_parameters()}
+        return {
+            name: {axis: Stage(tie.holders)}
+            for tie in held.engine.ties
+            for name in tie.names
+            if name in own
+        }
+
+    def compiled_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        settings: StepOptions,
+        job: StepJob,
+    ) -> NoReturn:
+        """Refused in one line: a pipelined step is the schedule's (``model.step``)."""
+        raise ConfigError(
+            "compile_step does not take a pipelined model ('pp'): its step is the "
+            "schedule's; run it eagerly (loss = model.step(inputs, targets, loss_fn); "
+            "optimizer.step())"
+        )
 
 
 def _microbatch(

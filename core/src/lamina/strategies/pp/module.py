@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.pp.cut import StageCut
 from lamina.strategies.pp.engine import LossFn, PipelineEngine
+from lamina.strategies.surface import DistributedModule
 from lamina.verify import PreflightReport
 
 
@@ -31,7 +31,7 @@ class Pipelining:
     lines: tuple[str, ...]
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(DistributedModule):
     """A model cut into pipeline stages; this rank holds the stages ``stages`` names."""
 
     lamina_pp: Pipelining
@@ -69,10 +69,6 @@ class PipelinedModule(nn.Module):
     ) -> torch.Tensor:
         """The mean microbatch loss of one batch, forward only, on every rank."""
         return self.lamina_pp.engine.evaluate(inputs, targets, loss_fn, input_kwargs)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the whole model's gradient norm (over every stage) to ``max_norm``."""
-        return self.lamina_pp.engine.clip_grad_norm_(max_norm)
 
     def step_summary(self) -> str:
         """The cut, one stage per line (after what ``"auto"`` chose, when it did)."""

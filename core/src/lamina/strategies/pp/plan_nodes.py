@@ -5,7 +5,12 @@ nodes): per stage and microbatch a forward and a backward, the activation it sen
 the next stage and the gradient it sends back (a ``send`` node paired with the peer's
 ``recv`` by an edge; peers are pipeline ranks, the position on the ``pp`` axis), then
 per pipeline rank the all-reduce of its stages' gradients across the pipelines (the
-other axes), and the sum of a tied weight's gradient across the stages that hold it.
+other axes), the sum of a tied weight's gradient across the stages that hold it, and the
+mean loss broadcast from the last stage's rank to its pipeline. Two adjacent stages on
+one rank (ZBV's turn of the V) hand the activation and its gradient over in memory, as
+torch's schedule does: no transfer node, an edge from one stage's node to the other's.
+The engine records each node it runs by these ids (:func:`stage_node_id`,
+:func:`average_id`, :func:`tied_id`, :data:`LOSS`) in the model's run log.
 """
 
 from __future__ import annotations
@@ -28,6 +33,26 @@ from lamina.strategies.pp.cut import StageCut
 from lamina.strategies.pp.layout import PipelineLayout
 
 OPTIMIZER = "optimizer"
+#: The mean microbatch loss broadcast from the last stage's rank to its pipeline.
+LOSS = "pp.loss"
+
+
+def stage_node_id(stage: int, microbatch: int, what: str) -> str:
+    """The id of stage ``stage``'s node ``what`` (``fwd``, ``bwd``, ``send_act``,
+    ``recv_act``, ``send_grad``, ``recv_grad``) for ``microbatch``."""
+    return f"pp.stage{stage}.mb{microbatch}.{what}"
+
+
+def average_id(pipeline_rank: int) -> str:
+    """The id of pipeline rank ``pipeline_rank``'s gradient all-reduce across pipelines."""
+    return f"pp.grad.rank{pipeline_rank}"
+
+
+def tied_id(name: str, gather_at: int | None = None) -> str:
+    """The id of tied weight ``name``'s sum over its stages, or (``gather_at``: a pipeline
+    rank) of that rank's gather of the pipelines' summed shares."""
+    node = f"pp.tied.{name}"
+    return node if gather_at is None else f"{node}.gather.rank{gather_at}"
 
 
 def build_pipeline_plan(
@@ -58,8 +83,7 @@ def build_pipeline_plan(
     edges: list[tuple[str, str]] = []
     count = len(cut.spans)
 
-    def fid(s: int, m: int, what: str) -> str:
-        return f"pp.stage{s}.mb{m}.{what}"
+    fid = stage_node_id
 
     for span in cut.spans:
         s = span.index
@@ -81,11 +105,14 @@ def build_pipeline_plan(
             edges.append((fid(s, m, "fwd"), fid(s, m, "bwd")))
             if m:
                 edges.append((fid(s, m - 1, "fwd"), fid(s, m, "fwd")))
+            # a neighbour on this same rank takes the tensor in memory: no transfer
+            after = s < count - 1 and layout.holder(s + 1) != rank
+            before = s > 0 and layout.holder(s - 1) != rank
             transfers = []
-            if s < count - 1:
+            if after:
                 transfers += [("send_act", "send", s + 1, "activation"),
                               ("recv_grad", "recv", s + 1, "gradient")]  # fmt: skip
-            if s > 0:
+            if before:
                 transfers += [("recv_act", "recv", s - 1, "activation"),
                               ("send_grad", "send", s - 1, "gradient")]  # fmt: skip
             for what, kind, peer_stage, payload in transfers:
@@ -100,11 +127,14 @@ def build_pipeline_plan(
                         Transfer(peer, s, m, payload, dtype, numel, size, pp_axis),  # type: ignore[arg-type]
                     )
                 )  # fmt: skip
-            if s < count - 1:
+            if after:
                 edges += [(fid(s, m, "fwd"), fid(s, m, "send_act")),
                           (fid(s, m, "send_act"), fid(s + 1, m, "recv_act")),
                           (fid(s, m, "recv_grad"), fid(s, m, "bwd"))]  # fmt: skip
-            if s > 0:
+            elif s < count - 1:
+                edges += [(fid(s, m, "fwd"), fid(s + 1, m, "fwd")),
+                          (fid(s + 1, m, "bwd"), fid(s, m, "bwd"))]  # fmt: skip
+            if before:
                 edges += [(fid(s, m, "recv_act"), fid(s, m, "fwd")),
                           (fid(s, m, "bwd"), fid(s, m, "send_grad")),
                           (fid(s, m, "send_grad"), fid(s - 1, m, "recv_grad"))]  # fmt: skip
@@ -114,9 +144,11 @@ def build_pipeline_plan(
     replicas = len(layout.pipelines) if replicas is None else replicas
     for prank in range(layout.size):
         stages = layout.stages_of(prank)
-        average = f"pp.grad.rank{prank}"
+        average = average_id(prank)
         if replicas > 1:
-            elements = sum(stage_params[s] for s in stages)
+            # a weight two of the rank's stages hold (ZBV's tied embedding) goes once
+            twice = sum(n * max(len(set(h) & set(stages)) - 1, 0) for _, n, h in ties)
+            elements = sum(stage_params[s] for s in stages) - twice
             group = layout.replicas_at(prank)
             spec = CollectiveSpec("all_reduce", "float32", elements, 4, group, axis=replica_axis)
             about = f"stages {list(stages)}: mean gradient across {replicas} pipelines"
@@ -131,16 +163,20 @@ def build_pipeline_plan(
             nodes += _tie_nodes(
                 name, elements, holders, ranks, prank, layout, replica_axis, pp_axis, replicas
             )
-            node = f"pp.tied.{name}"
+            node = tied_id(name)
             first = prank == layout.holder(min(holders))
             if first:
                 edges += [(fid(s, microbatches - 1, "bwd"), node) for s in holders]
                 edges.append((node, OPTIMIZER))
             if replicas > 1:
-                edges += [(average, node), (node, f"{node}.gather.rank{prank}")]
-                edges.append((f"{node}.gather.rank{prank}", OPTIMIZER))
+                edges += [(average, node), (node, tied_id(name, prank))]
+                edges.append((tied_id(name, prank), OPTIMIZER))
     for span in cut.spans:
         edges.append((fid(span.index, microbatches - 1, "bwd"), OPTIMIZER))
+    last = count - 1
+    if layout.size > 1:
+        nodes.append(_loss_node(layout, pp_axis))
+        edges.append((fid(last, microbatches - 1, "fwd"), LOSS))
     for setup_node in nodes:
         if setup_node.phase == "setup":
             edges.append((setup_node.id, fid(0, 0, "fwd")))
@@ -185,7 +221,7 @@ def _tie_nodes(
     holder), and with R pipelines each holder's gather of the R shares the pipelines
     summed (the engine's ``_sum_tied``)."""
     share = -(-elements // replicas)
-    node = f"pp.tied.{name}"
+    node = tied_id(name)
     out = []
     if prank == layout.holder(min(holders)):
         spec = CollectiveSpec("all_reduce", "float32", share, 4, ranks, axis=pp_axis)
@@ -198,6 +234,16 @@ def _tie_nodes(
         gathered = share * replicas
         spec = CollectiveSpec("all_gather", "float32", gathered, 4, group, axis=replica_axis)
         about = f"{name}: the {replicas} pipelines' summed shares gathered"
-        out.append(PlanNode(f"{node}.gather.rank{prank}", "collective", "backward", about,
+        out.append(PlanNode(tied_id(name, prank), "collective", "backward", about,
                             Collective("gradient", params=1, layer=name), spec))  # fmt: skip
     return out
+
+
+def _loss_node(layout: PipelineLayout, pp_axis: str) -> PlanNode:
+    """The mean microbatch loss (one float32) broadcast from the rank holding the last
+    stage to the others of its pipeline, so that ``model.step`` returns it on each."""
+    source = layout.pipeline[layout.holder(layout.stage_count - 1)]
+    spec = CollectiveSpec("broadcast", "float32", 1, 4, layout.pipeline, axis=pp_axis)
+    about = "the step's mean microbatch loss, from the last stage's rank to the pipeline"
+    return PlanNode(LOSS, "collective", "backward", about,
+                    Collective("broadcast", source=source), spec)  # fmt: skip

@@ -11,15 +11,18 @@ composes with ``zero3`` / ``hsdp`` on the others (:mod:`lamina.strategies.compos
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.utils import _pytree as pytree
 
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
+from lamina.runtime.placement import AxisPlacement, Split
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
     Placement,
@@ -40,14 +43,32 @@ from lamina.strategies.tp.options import TensorParallelOptions
 from lamina.strategies.tp.plan_nodes import build_tensor_plan
 from lamina.strategies.tp.state import GlobalViews, ParamSplit
 
+if TYPE_CHECKING:
+    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions
+
 #: The mesh axis tensor parallelism goes on by default.
 TP_AXIS = "tp"
+
+
+@dataclass(frozen=True)
+class TensorPlanned:
+    """What tensor parallelism's build needs beyond the plan (``PlannedStep.inputs``)."""
+
+    #: Which layer is split how.
+    layers: TensorPlan
+    #: This rank's tp group.
+    group: TensorGroup
+    #: The job's torch mesh (the state-dict views' meshes are cut from it).
+    root: TorchDeviceMesh
+    #: The mesh axis tp goes on.
+    axis: str
 
 
 class TensorParallelStrategy(Strategy):
     """Splits layers across the ranks of one mesh axis (see the module)."""
 
     name = "tp"
+    role = "split"
     summary = "tensor parallelism: layers split across the ranks of the tp axis"
     options = TensorParallelOptions
 
@@ -95,15 +116,16 @@ class TensorParallelStrategy(Strategy):
             plan,
             (("tensor_plan", layers.lines()),),
             SetupBroadcast(state, 0, None),  # the whole model, before it is split
-            (layers, tp, ctx.mesh.torch_mesh, placement.shard[0]),
+            TensorPlanned(layers, tp, ctx.mesh.torch_mesh, placement.shard[0]),
         )
 
     def build(self, planned: PlannedStep) -> nn.Module:
         """The model itself, split in place as the plan says."""
-        layers, tp, root, axis = planned.inputs
-        assert isinstance(layers, TensorPlan)
+        held = planned.inputs
+        assert isinstance(held, TensorPlanned)
+        layers, tp, root, axis = held.layers, held.group, held.root, held.axis
         model = planned.module
-        applied = apply_plan(model, layers, tp)
+        applied = apply_plan(model, layers, tp, planned.log())
         splits = {n: ParamSplit(*split) for n, split in applied.splits.items()}
         views = GlobalViews(splits, tp)
         views.attach(root, axis, None)
@@ -111,6 +133,34 @@ class TensorParallelStrategy(Strategy):
             layers, tp, planned.plan, planned.log(), planned.preflight, views, applied.heads
         )
         return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
+
+    def compiled_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        settings: StepOptions,
+        job: StepJob,
+    ) -> NoReturn:
+        """Refused in one line: the split layers' collectives run eagerly, hooked on them."""
+        raise ConfigError(
+            "compile_step does not take a tensor-parallel model ('tp') yet; run its step "
+            "eagerly (loss.backward(); optimizer.step()), or distribute it without 'tp'"
+        )
+
+    def place_parameters(
+        self, model: nn.Module, placement: Placement
+    ) -> dict[str, dict[str, AxisPlacement]]:
+        """Each parameter the plan cut: split on its dim across the tp axis (the others
+        stay whole on every tp rank)."""
+        held = model.__dict__.get("lamina_tp")
+        if held is None:  # not built yet: nothing is cut
+            return {}
+        axis = placement.shard[0]
+        return {
+            name: {axis: Split(split.dim % len(split.full_shape), split.chunks)}
+            for name, split in held.views.splits.items()
+        }
 
 
 def _on_device(value: object, ctx: StrategyContext, model: nn.Module) -> object:

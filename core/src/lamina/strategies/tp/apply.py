@@ -4,8 +4,9 @@ Each split parameter keeps its Python object (``torch.utils.swap_tensors``: opti
 tied weights and user references stay valid) and becomes this rank's slice: rows of a
 column-parallel weight (chunk by chunk for a fused projection), columns of a row-parallel
 one, rows (vocabulary) of an embedding or head. Module hooks put the plan's collectives
-(:mod:`.activation_ops`) where the plan says. Works on the meta device too: slicing a
-meta tensor allocates nothing.
+(:mod:`.activation_ops`) where the plan says, each issued under its plan node's id
+(:mod:`.plan_nodes`) into the model's run log; a training forward opens the log's next
+step. Works on the meta device too: slicing a meta tensor allocates nothing.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lamina.runtime import RunLog
 from lamina.strategies.tp.activation_ops import (
+    PlannedCollective,
+    StepLog,
     TensorGroup,
     copy_in,
+    copy_params_in,
     gather,
     keep_slice,
     sum_out,
@@ -28,6 +33,15 @@ from lamina.strategies.tp.activation_ops import (
 )
 from lamina.strategies.tp.layers import Region, Row, TensorPlan
 from lamina.strategies.tp.loss_parallel import HeadOutputs
+from lamina.strategies.tp.plan_nodes import (
+    backward_node,
+    bias_node,
+    exit_node,
+    forward_node,
+    gather_node,
+    params_node,
+    split_node,
+)
 
 Hook = Callable[..., Any]
 #: Parameter (id or name) -> (split dim, chunks, whole shape).
@@ -52,16 +66,23 @@ class _Entered:
 
     prepared: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def hook(self, plan: TensorPlan, tp: TensorGroup, gathers: bool) -> Hook:
-        """A forward pre-hook giving a column-parallel layer its prepared input
-        (``gathers``: the input is still a sequence slice, gathered here)."""
+    def hook(
+        self,
+        plan: TensorPlan,
+        tp: TensorGroup,
+        gathers: PlannedCollective | None,
+        grad_summed: PlannedCollective,
+    ) -> Hook:
+        """A forward pre-hook giving a column-parallel layer (or a head) its prepared
+        input: ``gathers`` (None: the input is whole) gathers a sequence slice, and the
+        input's gradient is summed as ``grad_summed``."""
 
         def enter(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             x = args[0]
             held = self.prepared.get(id(x))
             if held is None or held[0] is not x:  # held[0] stays alive: no id reuse
-                ready = gather(x, plan.seq_dim, tp) if gathers else x
-                held = (x, copy_in(ready, tp))
+                ready = x if gathers is None else gather(x, plan.seq_dim, tp, gathers)
+                held = (x, copy_in(ready, tp, grad_summed))
                 self.prepared[id(x)] = held
             return (held[1], *args[1:])
 
@@ -80,33 +101,43 @@ def shard_columns(tensor: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
     return tensor.chunk(tp.size, dim=-1)[tp.index]
 
 
-def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
-    """``model`` split as ``plan`` says, in place."""
+def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup, run_log: RunLog) -> Applied:
+    """``model`` split as ``plan`` says, in place; its collectives recorded in
+    ``run_log`` (whose plan holds their nodes: :func:`.plan_nodes.build_tensor_plan`
+    of ``plan``), each training forward opening its next step."""
     handles: list[Any] = []
     done: Splits = {}
     entered = _Entered()
     heads = HeadOutputs()
+    log = StepLog(run_log)
     for region in plan.regions:
-        handles += _apply_region(model, region, plan, tp, done, entered)
+        handles += _apply_region(model, region, plan, tp, done, entered, log)
     for emb in plan.embeddings:
         module: Any = model.get_submodule(emb.module)
         _swap(module.weight, 0, 1, tp, done)
-        module.forward = _vocab_lookup(module, tp)  # type: ignore[method-assign]
+        summed = PlannedCollective(log, forward_node(emb.module))
+        module.forward = _vocab_lookup(module, tp, summed)  # type: ignore[method-assign]
     for head in plan.heads:
         module = model.get_submodule(head.module)
         _swap(module.weight, 0, 1, tp, done)
         if getattr(module, "bias", None) is not None:
             _swap(module.bias, 0, 1, tp, done)
-        handles.append(
-            module.register_forward_pre_hook(entered.hook(plan, tp, plan.sequence_parallel))
-        )
-        handles.append(module.register_forward_hook(lambda _m, _a, out: heads.finish(out, tp)))
+        gathers = PlannedCollective(log, gather_node(head.module))
+        grad_summed = PlannedCollective(log, backward_node(head.module))
+        enter = entered.hook(plan, tp, gathers if plan.sequence_parallel else None, grad_summed)
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(_finish_head(heads, tp, log, head.module)))
     if plan.sequence_parallel:
-        handles += _apply_sequence(model, plan, tp)
+        handles += _apply_sequence(model, plan, tp, log)
 
     def forget(*_: Any) -> None:
         entered.prepared.clear()
 
+    def open_step(module: nn.Module, _args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            log.begin_step()
+
+    handles.append(model.register_forward_pre_hook(open_step))
     # cleared when a forward starts too: a pipeline stage's forward ends by an exception
     handles.append(model.register_forward_pre_hook(forget))
     handles.append(model.register_forward_hook(forget))
@@ -118,6 +149,15 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> Applied:
     return Applied(handles, names, heads)
 
 
+def _finish_head(heads: HeadOutputs, tp: TensorGroup, log: StepLog, head: str) -> Hook:
+    gathered = PlannedCollective(log, forward_node(head))
+
+    def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return heads.finish(out, tp, gathered)
+
+    return hook
+
+
 def _apply_region(
     model: nn.Module,
     region: Region,
@@ -125,27 +165,33 @@ def _apply_region(
     tp: TensorGroup,
     done: Splits,
     entered: _Entered,
+    log: StepLog,
 ) -> list[Any]:
     handles: list[Any] = []
+    gathered = PlannedCollective(log, gather_node(region.module))
+    grad_summed = PlannedCollective(log, backward_node(region.module))
     for column in region.columns:
         linear: Any = model.get_submodule(column.linear)
         _swap(linear.weight, 0, column.chunks, tp, done)
         if linear.bias is not None:
             _swap(linear.bias, 0, column.chunks, tp, done)
-        gathers = plan.sequence_parallel and not region.owned
-        handles.append(linear.register_forward_pre_hook(entered.hook(plan, tp, gathers)))
+        gathers = gathered if plan.sequence_parallel and not region.owned else None
+        handles.append(
+            linear.register_forward_pre_hook(entered.hook(plan, tp, gathers, grad_summed))
+        )
     for row in region.rows:
         linear = model.get_submodule(row.linear)
         _swap(linear.weight, -1, 1, tp, done)
-        linear.forward = _row_forward(linear, row, plan, tp)  # type: ignore[method-assign]
+        linear.forward = _row_forward(linear, row, plan, tp, log)  # type: ignore[method-assign]
     module = model.get_submodule(region.module)
     if plan.sequence_parallel and region.owned:
         # the module sees its input whole (attention reads the sequence length off it)
-        entry = _gather_entry(region.entry, plan, tp)
+        entry = _gather_entry(region.entry, plan, tp, gathered)
         handles.append(module.register_forward_pre_hook(entry, with_kwargs=True))
     if plan.sequence_parallel and any(r.reduce == "sum" for r in region.rows):
         # partial outputs summed whole (several rows feed the output): keep this slice
-        handles.append(module.register_forward_hook(_slice_exit(plan, tp)))
+        exit_gathered = PlannedCollective(log, exit_node(region.module))
+        handles.append(module.register_forward_hook(_slice_exit(plan, tp, exit_gathered)))
     return handles
 
 
@@ -163,22 +209,26 @@ def _swap(param: Any, dim: int, chunks: int, tp: TensorGroup, done: Splits) -> N
     torch.utils.swap_tensors(param, replacement)  # type: ignore[no-untyped-call]
 
 
-def _row_forward(linear: Any, row: Row, plan: TensorPlan, tp: TensorGroup) -> Hook:
+def _row_forward(linear: Any, row: Row, plan: TensorPlan, tp: TensorGroup, log: StepLog) -> Hook:
+    summed = PlannedCollective(log, forward_node(row.linear))
+    grad_gathered = PlannedCollective(log, backward_node(row.linear))
+    bias_summed = PlannedCollective(log, bias_node(row.linear))
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, linear.weight)
         bias = linear.bias
         if row.reduce == "scatter" and plan.sequence_parallel:
-            out = sum_scatter(partial, plan.seq_dim, tp)
+            out = sum_scatter(partial, plan.seq_dim, tp, summed, grad_gathered)
             # added on sequence slices: its gradient is summed over the group
-            bias = None if bias is None else copy_in(bias, tp)
+            bias = None if bias is None else copy_in(bias, tp, bias_summed)
         else:
-            out = sum_out(partial, tp)
+            out = sum_out(partial, tp, summed)
         return out if bias is None else out + bias
 
     return forward
 
 
-def _vocab_lookup(module: Any, tp: TensorGroup) -> Hook:
+def _vocab_lookup(module: Any, tp: TensorGroup, summed: PlannedCollective) -> Hook:
     rows = module.weight.shape[0]
     start = rows * tp.index
 
@@ -196,62 +246,70 @@ def _vocab_lookup(module: Any, tp: TensorGroup) -> Hook:
             module.scale_grad_by_freq,
             module.sparse,
         )
-        return sum_out(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+        return sum_out(out.masked_fill(outside.unsqueeze(-1), 0.0), tp, summed)
 
     return forward
 
 
-def _gather_entry(entry: int | str, plan: TensorPlan, tp: TensorGroup) -> Hook:
+def _gather_entry(
+    entry: int | str, plan: TensorPlan, tp: TensorGroup, gathered: PlannedCollective
+) -> Hook:
     def hook(
         _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if isinstance(entry, int) and entry < len(args):
-            args = (*args[:entry], gather(args[entry], plan.seq_dim, tp), *args[entry + 1 :])
+            whole = gather(args[entry], plan.seq_dim, tp, gathered)
+            args = (*args[:entry], whole, *args[entry + 1 :])
         elif isinstance(entry, str) and entry in kwargs:
-            kwargs = {**kwargs, entry: gather(kwargs[entry], plan.seq_dim, tp)}
+            kwargs = {**kwargs, entry: gather(kwargs[entry], plan.seq_dim, tp, gathered)}
         return args, kwargs
 
     return hook
 
 
-def _slice_exit(plan: TensorPlan, tp: TensorGroup) -> Hook:
+def _slice_exit(plan: TensorPlan, tp: TensorGroup, grad_gathered: PlannedCollective) -> Hook:
     def hook(_module: nn.Module, _args: Any, out: Any) -> Any:
         if isinstance(out, torch.Tensor):
-            return keep_slice(out, plan.seq_dim, tp)
-        return (keep_slice(out[0], plan.seq_dim, tp), *out[1:])
+            return keep_slice(out, plan.seq_dim, tp, grad_gathered)
+        return (keep_slice(out[0], plan.seq_dim, tp, grad_gathered), *out[1:])
 
     return hook
 
 
-def _apply_sequence(model: nn.Module, plan: TensorPlan, tp: TensorGroup) -> list[Any]:
+def _apply_sequence(model: nn.Module, plan: TensorPlan, tp: TensorGroup, log: StepLog) -> list[Any]:
     """The first block's input split on the sequence; the parameters of the modules on
     sequence slices summed over the group in backward."""
     handles = []
     first = model.get_submodule(plan.split_at)
+    grad_gathered = PlannedCollective(log, split_node(plan.split_at))
 
     def split(
         _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
-            return (keep_slice(args[0], plan.seq_dim, tp), *args[1:]), kwargs
+            return (keep_slice(args[0], plan.seq_dim, tp, grad_gathered), *args[1:]), kwargs
         key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-        return args, {**kwargs, key: keep_slice(kwargs[key], plan.seq_dim, tp)}
+        return args, {**kwargs, key: keep_slice(kwargs[key], plan.seq_dim, tp, grad_gathered)}
 
     handles.append(first.register_forward_pre_hook(split, with_kwargs=True))
     for name in plan.sequence_modules:
         module = model.get_submodule(name)
         held: dict[str, Any] = {}
-        handles.append(module.register_forward_pre_hook(_sum_params_in(held, tp)))
+        summed = PlannedCollective(log, params_node(name))
+        handles.append(module.register_forward_pre_hook(_sum_params_in(held, tp, summed)))
         handles.append(module.register_forward_hook(_sum_params_out(held)))
     return handles
 
 
-def _sum_params_in(held: dict[str, Any], tp: TensorGroup) -> Hook:
+def _sum_params_in(held: dict[str, Any], tp: TensorGroup, summed: PlannedCollective) -> Hook:
     def hook(module: nn.Module, _args: Any) -> None:
-        for name, param in list(module._parameters.items()):
+        for name, param in module._parameters.items():
             if param is not None and param.requires_grad:
                 held[name] = param
-                module._parameters[name] = copy_in(param, tp)  # type: ignore[assignment]
+        if held:  # their gradients summed in one all-reduce, the plan's node
+            views = copy_params_in(list(held.values()), tp, summed)
+            for name, view in zip(held, views, strict=True):
+                module._parameters[name] = view  # type: ignore[assignment]
 
     return hook
 

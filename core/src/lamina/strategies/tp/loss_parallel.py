@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lamina.errors import ConfigError
-from lamina.strategies.tp.activation_ops import TensorGroup
+from lamina.strategies.tp.activation_ops import PlannedCollective, TensorGroup, gather
 
 #: Tensor methods that compute nothing from the values (autograd bookkeeping).
 _PASS = frozenset({"detach", "requires_grad_", "retain_grad", "register_hook"})
@@ -101,12 +101,13 @@ class HeadOutputs:
     def __init__(self) -> None:
         self.sliced: _Sliced | None = None
 
-    def finish(self, out: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
-        """The head's output ``out`` (this rank's vocabulary slice) as the forward gives it."""
-        from lamina.strategies.tp.activation_ops import gather
-
+    def finish(
+        self, out: torch.Tensor, tp: TensorGroup, gathered: PlannedCollective
+    ) -> torch.Tensor:
+        """The head's output ``out`` (this rank's vocabulary slice) as the forward gives
+        it: gathered (issued as ``gathered``), or the slice inside :func:`loss_parallel`."""
         if self.sliced is None:
-            return gather(out, -1, tp)
+            return gather(out, -1, tp, gathered)
         self.sliced.mark(out, out.shape[-1] * tp.index)
         return out
 

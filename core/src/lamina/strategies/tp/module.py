@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
+from lamina.strategies.surface import DistributedModule
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.loss_parallel import HeadOutputs
@@ -34,7 +34,7 @@ class TensorParallelism:
     allow_meta: bool = False
 
 
-class TensorParallelModule(nn.Module):
+class TensorParallelModule(DistributedModule):
     """A model split by ``tp``: parameters are this rank's slices under their own names."""
 
     lamina_tp: TensorParallelism

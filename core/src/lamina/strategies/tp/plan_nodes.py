@@ -5,7 +5,10 @@ on the ``tp`` axis with its bytes from the recorded forward: forward all-reduces
 row-parallel linears and vocabulary-parallel embeddings (reduce-scatters with sequence
 parallelism, and all-gathers into each region), the heads' logit all-gathers; backward
 all-reduces of the gradients into column-parallel linears (all-gathers out of the
-sequence-parallel regions) and of the parameters on sequence slices.
+sequence-parallel regions and at the first block's sequence split) and of the
+parameters on sequence slices (the row-parallel biases added there included). The
+node ids are the functions below (:func:`forward_node`, ...): the layers issue their
+collectives under the same ids (:mod:`.apply`), so the run log counts them by node.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from lamina.dtypes import dtype_from_name
+from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.runtime import Collective, CollectiveSpec, Compute, ExecutionPlan, PlanNode
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.plan import meta_items
@@ -24,6 +27,45 @@ from lamina.strategies.coalesced import dtype_totals
 from lamina.strategies.tp.layers import TensorPlan
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+
+def forward_node(layer: str) -> str:
+    """The forward collective out of ``layer`` (a row-parallel linear's sum or
+    reduce-scatter, an embedding's sum, a head's logit gather)."""
+    return f"tp.{layer}.fwd"
+
+
+def backward_node(layer: str) -> str:
+    """The backward collective of ``layer``: the input gradients of a region or head
+    summed, or a reduce-scattering row-parallel linear's output gradient gathered."""
+    return f"tp.{layer}.bwd"
+
+
+def gather_node(layer: str) -> str:
+    """The sequence gathered into ``layer`` (a region or a head; sequence parallelism)."""
+    return f"tp.{layer}.gather"
+
+
+def exit_node(region: str) -> str:
+    """The output gradient of a region whose output is summed whole and then sliced on
+    the sequence, gathered (sequence parallelism)."""
+    return f"tp.{region}.exit"
+
+
+def split_node(block: str) -> str:
+    """The input gradient of the block where the sequence is split first, gathered
+    (sequence parallelism)."""
+    return f"tp.{block}.split"
+
+
+def params_node(module: str) -> str:
+    """The gradients of ``module``'s parameters, on sequence slices, summed."""
+    return f"tp.{module}.params"
+
+
+def bias_node(linear: str) -> str:
+    """The gradient of a row-parallel linear's bias, added on sequence slices, summed."""
+    return f"tp.{linear}.bias"
 
 
 def build_tensor_plan(
@@ -60,7 +102,7 @@ def build_tensor_plan(
 
     for emb in plan.embeddings:
         add(
-            f"tp.{emb.module}.fwd",
+            forward_node(emb.module),
             "forward",
             "all_reduce",
             emb.output_shape,
@@ -68,11 +110,23 @@ def build_tensor_plan(
             emb.module,
             "vocabulary-parallel lookups summed",
         )
+    if plan.sequence_parallel and plan.split_at and plan.regions:
+        # the residual stream keeps its shape into the first region
+        first = plan.regions[0]
+        add(
+            split_node(plan.split_at),
+            "backward",
+            "all_gather",
+            first.input_shape,
+            first.dtype,
+            plan.split_at,
+            "input gradient gathered where the sequence is split",
+        )
     for region in plan.regions:
         name, dtype = region.module, region.dtype
         if plan.sequence_parallel:
             add(
-                f"tp.{name}.gather",
+                gather_node(name),
                 "forward",
                 "all_gather",
                 region.input_shape,
@@ -88,7 +142,7 @@ def build_tensor_plan(
                 else "all_reduce"
             )
             add(
-                f"tp.{row.linear}.fwd",
+                forward_node(row.linear),
                 "forward",
                 op,
                 shape,
@@ -98,7 +152,7 @@ def build_tensor_plan(
             )
             if op == "reduce_scatter":
                 add(
-                    f"tp.{row.linear}.bwd",
+                    backward_node(row.linear),
                     "backward",
                     "all_gather",
                     shape,
@@ -106,8 +160,29 @@ def build_tensor_plan(
                     row.linear,
                     "output gradient gathered",
                 )
+                bias: Any = getattr(model.get_submodule(row.linear), "bias", None)
+                if isinstance(bias, nn.Parameter) and bias.requires_grad:
+                    add(
+                        bias_node(row.linear),
+                        "backward",
+                        "all_reduce",
+                        tuple(bias.shape),
+                        dtype_name(bias.dtype),
+                        row.linear,
+                        "gradient of the bias added on sequence slices summed",
+                    )
+        if plan.sequence_parallel and any(r.reduce == "sum" for r in region.rows):
+            add(
+                exit_node(name),
+                "backward",
+                "all_gather",
+                region.output_shape,
+                dtype,
+                name,
+                "output gradient gathered (the output is summed whole, then sliced)",
+            )
         add(
-            f"tp.{name}.bwd",
+            backward_node(name),
             "backward",
             "all_reduce",
             region.input_shape,
@@ -117,7 +192,7 @@ def build_tensor_plan(
         )
     for head in plan.heads:
         add(
-            f"tp.{head.module}.fwd",
+            forward_node(head.module),
             "forward",
             "all_gather",
             head.output_shape,
@@ -130,7 +205,7 @@ def build_tensor_plan(
         shape = (*head.output_shape[:-1], width)
         if plan.sequence_parallel:
             add(
-                f"tp.{head.module}.gather",
+                gather_node(head.module),
                 "forward",
                 "all_gather",
                 shape,
@@ -139,7 +214,7 @@ def build_tensor_plan(
                 "sequence gathered into the head",
             )
         add(
-            f"tp.{head.module}.bwd",
+            backward_node(head.module),
             "backward",
             "all_reduce",
             shape,
@@ -151,12 +226,13 @@ def build_tensor_plan(
         params = [p for p in model.get_submodule(name).parameters(recurse=False) if p.requires_grad]
         numel = sum(p.numel() for p in params)
         if numel:
+            dtypes = {dtype_name(p.dtype) for p in params}
             add(
-                f"tp.{name}.params",
+                params_node(name),
                 "backward",
                 "all_reduce",
                 (numel,),
-                "float32",
+                dtypes.pop() if len(dtypes) == 1 else "float32",
                 name,
                 "gradients of parameters on sequence slices summed",
             )

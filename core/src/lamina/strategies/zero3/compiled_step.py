@@ -72,7 +72,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 class ShardedCompiledStep(CompiledStep):
     """``loss = step(*inputs, target)``: one training step of a ``zero3`` or ``hsdp``
-    model (see the module docstring)."""
+    model (see the module docstring); ``model_class`` is the model's own class, which the
+    strategy recorded before extending it (built by ``Zero3Strategy.compiled_step``)."""
 
     def __init__(
         self,
@@ -81,12 +82,15 @@ class ShardedCompiledStep(CompiledStep):
         loss_fn: LossFn,
         options: StepOptions,
         job: StepJob,
+        *,
+        model_class: type[nn.Module],
     ) -> None:
         super().__init__(model, optimizer, loss_fn, options, job)
         self.sharded = model
         self.sharding = model.lamina_sharding
-        #: The model's class before ``zero3`` extended it (the traced forward is its own).
-        self.model_class = type(model).__bases__[-1]
+        #: The model's class before ``zero3`` extended it (the traced forward is its own),
+        #: as the strategy recorded it.
+        self.model_class = model_class
         self._warmed = False
         self._unreached: list[str] = []
         self._order: list[UnitState] = []

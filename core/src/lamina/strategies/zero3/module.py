@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.errors import ConfigError
@@ -23,6 +21,7 @@ from lamina.memory.engine import UnitState, Zero3Engine
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
+from lamina.strategies.surface import DistributedModule
 from lamina.strategies.zero3.accounting import MemoryAccount, memory_accounting
 from lamina.strategies.zero3.full_params import full_parameters_forward, summon_full_parameters
 from lamina.strategies.zero3.load_full import sharded_state
@@ -64,7 +63,7 @@ class Sharding:
         self.on_meta = False
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(DistributedModule):
     """The methods a model sharded by ``zero3`` / ``hsdp`` gains (its class is extended,
     not wrapped, so ``isinstance`` and every attribute of the model still hold)."""
 
@@ -163,32 +162,6 @@ class ShardedModule(nn.Module):
         """One line: collectives of the last step and every fallback taken."""
         return self.lamina_sharding.run_log.summary()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradients so that the global gradient norm is at most ``max_norm``;
-        the norm is the unsharded model's, as ``torch.nn.utils.clip_grad_norm_`` computes
-        it: sharded gradients summed over the shard group, replicated ones once."""
-        sharded: list[torch.Tensor] = []
-        plain: list[torch.Tensor] = []
-        for p in self.parameters():
-            if p.grad is not None:
-                (sharded if isinstance(p.grad, DTensor) else plain).append(p.grad)
-        device = next(self.parameters()).device
-        squares = torch.zeros((), dtype=torch.float32, device=device)
-        for grad in sharded:
-            if isinstance(grad, DTensor) and _is_sharded(grad):
-                squares += grad.to_local().detach().float().pow(2).sum()
-        group = self.lamina_sharding.group
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-        replicated = [g for g in sharded if isinstance(g, DTensor) and not _is_sharded(g)]
-        for grad in [*plain, *replicated]:
-            squares += _local(grad).detach().float().pow(2).sum()
-        total = squares.sqrt()
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for grad in [*sharded, *plain]:
-            _local(grad).mul_(scale.to(grad.dtype))
-        return total
-
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds for parameter shards, gradient shards and optimizer state."""
         account = memory_accounting(self, optimizer)
@@ -201,15 +174,6 @@ class ShardedModule(nn.Module):
     def memory_accounting(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryAccount:
         """This rank's model-state bytes against the ZeRO-3 formula (see ``.table()``)."""
         return memory_accounting(self, optimizer)
-
-
-def _is_sharded(tensor: DTensor) -> bool:
-    return any(isinstance(p, Shard) for p in tensor.placements)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local: torch.Tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

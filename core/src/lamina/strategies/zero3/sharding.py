@@ -25,11 +25,13 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lamina.memory import ShardLayout, build_layout, group_units
+from lamina.memory.whole_step import WholeStepGather
 from lamina.runtime import ExecutionPlan
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import Placement as MeshPlacement
 from lamina.strategies.contract import PlannedStep, SetupBroadcast
 from lamina.strategies.extension import extend_class
+from lamina.strategies.surface import PLACEMENT_KEY, STEP_SHARDING_KEY
 from lamina.strategies.zero3 import plan as plan_z3
 from lamina.strategies.zero3.engine_build import (
     algorithm_groups,
@@ -126,6 +128,10 @@ def build_sharded(step: PlannedStep) -> ShardedModule:
     sharded = _extend_class(module, sharding, inputs.strategy)
     sharding.on_meta = on_meta(sharded)
     register_shards(engine.units)
+    held = sharded.__dict__.get(PLACEMENT_KEY)
+    if held is not None and any(r.role == "pipeline" for r in held.roles):
+        # a pipeline's step gathers the stages once for all of its microbatches
+        sharded.__dict__[STEP_SHARDING_KEY] = WholeStepGather(engine)
     return sharded
 
 
