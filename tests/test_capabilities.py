@@ -44,7 +44,7 @@ def _refusal(model: torch.nn.Module) -> str:
 def test_a_tensor_parallel_model_is_refused_in_one_line(job: None) -> None:
     lamina.init(mesh={"tp": 1})
     message = _refusal(lamina.distribute(tiny_gpt(), "tp", example_inputs=(IDS,)))
-    assert message.startswith("compile_step does not take a tensor-parallel model ('tp')")
+    assert message.startswith("compile_step does not take a model distributed with 'tp'")
     assert "loss.backward(); optimizer.step()" in message
 
 
@@ -52,7 +52,7 @@ def test_a_pipelined_model_is_refused_by_compile_step_not_at_its_forward(job: No
     lamina.init(mesh={"pp": 1})
     model = lamina.distribute(tiny_gpt(), "pp", example_inputs=(IDS,), timing_runs=1)
     message = _refusal(model)
-    assert message.startswith("compile_step does not take a pipelined model ('pp')")
+    assert message.startswith("compile_step does not take a model distributed with 'pp'")
     assert "loss = model.step(inputs, targets, loss_fn); optimizer.step()" in message
 
 

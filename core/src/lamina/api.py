@@ -198,17 +198,16 @@ def compile_step(
             "compile_step takes a model distributed with 'dp', 'zero3' or 'hsdp' (this one: "
             "no strategy); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
         )
+    plugins = runtime.plugins if runtime is not None else None
     if "+" in name:  # a composition: no strategy compiles another's step
-        eager = (
-            "loss = model.step(inputs, targets, loss_fn); optimizer.step()"
-            if "pp" in name.split("+")
-            else "loss.backward(); optimizer.step()"
-        )
+        composed = [get_strategy(n, plugins) for n in name.split("+")]
+        pipeline = next((s for s in composed if s.role == "pipeline"), composed[0])
+        eager = pipeline.eager_step
         raise ConfigError(
             f"compile_step does not take a model of composed strategies {name!r} yet; run its "
             f"step eagerly ({eager}), or distribute it with 'dp', 'zero3' or 'hsdp' alone"
         )
-    strategy = get_strategy(name, runtime.plugins if runtime is not None else None)
+    strategy = get_strategy(name, plugins)
     return strategy.compiled_step(model, optimizer, loss_fn, settings, job)
 
 

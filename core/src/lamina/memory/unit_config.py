@@ -36,6 +36,10 @@ class GatherObserver(Protocol):
         it; ``wire``: bytes per dtype handed to ``torch.distributed`` over all its
         calls); the handle takes ``.work``."""
 
+    def begin_step(self) -> None:
+        """A training step began (one gather for all of a step's microbatches): what the
+        step issues counts as one step."""
+
     def begin_backward(self) -> None:
         """Backward started."""
 

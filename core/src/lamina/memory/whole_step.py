@@ -44,6 +44,8 @@ class WholeStepGather:
                 "step in progress); leave that block before the step"
             )
         engine.drop_stale_prefetches()
+        if train and engine.observer is not None:
+            engine.observer.begin_step()
         for unit in engine.units:
             unit.gather.start_gather("fwd", engine.streams)
         engine.summoned = engine.whole_step = True

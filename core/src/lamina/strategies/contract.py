@@ -256,6 +256,9 @@ class Strategy(abc.ABC):
     #: Roles of strategies applied before it whose model it can hold (composed after
     #: them): a sharder holds a split or pipelined model; by default, none.
     holds_after: ClassVar[frozenset[str]] = frozenset()
+    #: How a loop runs one step of a model it distributed, eagerly (what a refusal to
+    #: compile the step says to run instead).
+    eager_step: ClassVar[str] = "loss.backward(); optimizer.step()"
 
     def roles(self, placement: Placement) -> tuple[Role, ...]:
         """What it declares on ``placement``'s axes: :attr:`role` over the shard axes,
@@ -300,12 +303,12 @@ class Strategy(abc.ABC):
         """``model``'s whole training step (forward, loss, backward, the plan's collectives,
         ``optimizer``'s update) as one captured graph: what ``lamina.compile_step`` returns
         for a model this strategy distributed (:mod:`lamina.strategies.compiled`).
-        Default: a one-line ConfigError naming the strategy and what to run instead; a
+        Default: a one-line ConfigError naming the strategy and its :attr:`eager_step`; a
         strategy whose step compiles overrides it (``dp``, ``zero3``, ``hsdp``)."""
         raise ConfigError(
-            f"compile_step does not take a model distributed with {self.name!r}: the strategy "
-            "does not compile its step; run it eagerly (loss.backward(); optimizer.step()), "
-            "or distribute the model with 'dp', 'zero3' or 'hsdp'"
+            f"compile_step does not take a model distributed with {self.name!r} yet; run its "
+            f"step eagerly ({self.eager_step}), or distribute the model with 'dp', 'zero3' or "
+            "'hsdp'"
         )
 
 

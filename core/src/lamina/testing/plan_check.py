@@ -39,6 +39,7 @@ def collectives_against_plan(
     prefix: str = "",
     phases: Iterable[str] = STEP_PHASES,
     passes: int = 1,
+    rank: int | None = None,
 ) -> list[str]:
     """The differences between the collectives ``record`` holds and the collective nodes
     of ``plan`` in ``phases`` whose ids start with ``prefix`` (``"tp."``: one strategy's
@@ -48,12 +49,18 @@ def collectives_against_plan(
     Per node: its count, and its op, mesh axis and bytes as the plan gives them (the run
     log records each issue under the node, so these are the node's). Bytes: the record's
     total against the plan's sizes of what it issued (an op that moved another size than
-    its node says)."""
+    its node says). A node whose group is one rank is not expected: it moves nothing.
+    With ``rank``, only the nodes whose group holds that global rank (a pipeline's plan
+    lists every pipeline rank's collectives; each rank runs its own)."""
     wanted = set(phases)
-    planned = [
+    planned = [  # a collective over one rank moves nothing: engines skip it
         n
         for n in plan.collectives()
-        if n.phase in wanted and n.id.startswith(prefix) and n.collective is not None
+        if n.phase in wanted
+        and n.id.startswith(prefix)
+        and n.collective is not None
+        and len(n.collective.group) > 1
+        and (rank is None or rank in n.collective.group)
     ]
     planned_ids = {n.id for n in planned}
     lines = []

@@ -17,7 +17,7 @@ pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,6 @@ from lamina.strategies.pp.options import PipelineOptions
 from lamina.strategies.pp.plan_nodes import build_pipeline_plan
 from lamina.strategies.pp.schedules import schedule_kind
 from lamina.strategies.pp.stages import build_stages
-
-if TYPE_CHECKING:
-    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions
 
 #: Mesh axes the pipeline goes on by default, in order of preference.
 PP_AXES = ("pp", "inter")
@@ -85,6 +82,7 @@ class PipelineStrategy(Strategy):
     name = "pp"
     role = "pipeline"
     holds_after = frozenset({"split"})
+    eager_step = "loss = model.step(inputs, targets, loss_fn); optimizer.step()"
     summary = "pipeline parallelism: the model cut into stages along the pp axis"
     options = PipelineOptions
 
@@ -239,21 +237,6 @@ class PipelineStrategy(Strategy):
             for name in tie.names
             if name in own
         }
-
-    def compiled_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        settings: StepOptions,
-        job: StepJob,
-    ) -> NoReturn:
-        """Refused in one line: a pipelined step is the schedule's (``model.step``)."""
-        raise ConfigError(
-            "compile_step does not take a pipelined model ('pp'): its step is the "
-            "schedule's; run it eagerly (loss = model.step(inputs, targets, loss_fn); "
-            "optimizer.step())"
-        )
 
 
 def _microbatch(

@@ -12,7 +12,7 @@ composes with ``zero3`` / ``hsdp`` on the others (:mod:`lamina.strategies.compos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,6 @@ from lamina.strategies.tp.module import TensorParallelism, TensorParallelModule
 from lamina.strategies.tp.options import TensorParallelOptions
 from lamina.strategies.tp.plan_nodes import build_tensor_plan
 from lamina.strategies.tp.state import GlobalViews, ParamSplit
-
-if TYPE_CHECKING:
-    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions
 
 #: The mesh axis tensor parallelism goes on by default.
 TP_AXIS = "tp"
@@ -133,20 +130,6 @@ class TensorParallelStrategy(Strategy):
             layers, tp, planned.plan, planned.log(), planned.preflight, views, applied.heads
         )
         return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
-
-    def compiled_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        settings: StepOptions,
-        job: StepJob,
-    ) -> NoReturn:
-        """Refused in one line: the split layers' collectives run eagerly, hooked on them."""
-        raise ConfigError(
-            "compile_step does not take a tensor-parallel model ('tp') yet; run its step "
-            "eagerly (loss.backward(); optimizer.step()), or distribute it without 'tp'"
-        )
 
     def place_parameters(
         self, model: nn.Module, placement: Placement
