@@ -252,19 +252,6 @@ def pipelined(model: torch.nn.Module) -> bool:
     return "lamina_pp" in model.__dict__
 
 
-def data_replica(rt: lamina.Runtime, strategy: str, model: torch.nn.Module) -> tuple[int, int]:
-    """(index, count) of the data replicas: under pp the ranks of one pipeline share a
-    batch, so each pipeline is one replica; under auto, what it chose says; else each
-    rank is one."""
-    if strategy == "auto":
-        return model.lamina_auto.replica  # type: ignore[union-attr, return-value]
-    if strategy != "pp":
-        return rt.rank, rt.world_size
-    if "dp" not in rt.mesh.axis_names:
-        return 0, 1
-    return rt.mesh.coordinates()["dp"], rt.mesh.size("dp")
-
-
 def global_mean(value: float, count: int, device: torch.device) -> float:
     """Mean over all ranks of per-rank sums ``value`` of ``count`` items each."""
     totals = torch.tensor([value, float(count)], device=device)
@@ -349,7 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         windows = window_count(corpus.train, args.seq_len)
-        replica, replicas = data_replica(rt, args.strategy, model)
+        # this rank's share of the data (a pipeline or a tp group shares one): the model
+        # says, whatever the strategy
+        replica, replicas = model.data_replica  # type: ignore[misc]
         if args.strategy == "auto":  # one replica's batch: the ranks' rows over the replicas
             args.batch_size = args.batch_size * rt.world_size // replicas
         if windows < args.batch_size * replicas:

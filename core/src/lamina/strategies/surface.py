@@ -41,10 +41,14 @@ STEP_SHARDING_KEY = "lamina_step_sharding"
 @dataclass(frozen=True)
 class DataReplica:
     """This rank's share of the data: replica ``index`` of ``count`` (ranks that see the
-    same batch, a tensor-parallel group or a pipeline, share one index)."""
+    same batch, a tensor-parallel group or a pipeline, share one index); unpacks as
+    ``index, count = model.data_replica``."""
 
     index: int
     count: int
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self.index, self.count))
 
 
 class DistributedModule(nn.Module):
