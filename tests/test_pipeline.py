@@ -171,11 +171,14 @@ PP_ZERO3_CASES = [
     ("llama", "zbv", "adamw"),
 ]
 #: On pp=2 x dp=2 x tp=2 (8 ranks): 3-D (tensor parallelism inside each stage, the
-#: stages sharded by ZeRO-3 over dp), pp x tp replicated over dp, and pp x hsdp (sharded
-#: over tp's axis, replicated over dp); three schedules, both models, both optimizers.
+#: stages sharded by ZeRO-3 over dp) and pp x tp replicated over dp, each on both models,
+#: and pp x hsdp (sharded over tp's axis, replicated over dp); every schedule, both
+#: optimizers.
 PP_TP_CASES = [
     (("pp", "tp", "zero3"), "llama", "zbv", "adamw"),
+    (("pp", "tp", "zero3"), "gpt", "1f1b", "sgd"),
     (("pp", "tp"), "gpt", "interleaved1f1b", "sgd"),
+    (("pp", "tp"), "llama", "gpipe", "sgd"),
     (("pp", "hsdp"), "gpt", "1f1b", "adamw"),
 ]
 PP4_CASES = [

@@ -247,8 +247,13 @@ class DeviceMesh:
         return grid_lines(self.ranks(), self.axis_names)
 
     def coordinates(self) -> dict[str, int]:
-        """This rank's position on every axis."""
-        coords: Sequence[int] = self.torch_mesh.get_coordinate() or ()
+        """This rank's position on every axis, found in the rank grid (torch's own
+        ``get_coordinate`` is not set up for every device type: XLA's under torch 2.9)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        found = (self.torch_mesh.mesh == rank).nonzero()
+        if found.numel() == 0:
+            raise MeshError(f"rank {rank} is not in the mesh's rank grid {self.ranks()}")
+        coords: list[int] = found[0].tolist()
         return dict(zip(self.axis_names, coords, strict=True))
 
     def ranks(self) -> list[list[int]] | list[int]:
