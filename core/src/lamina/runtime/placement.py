@@ -144,11 +144,6 @@ class ModelPlacement:
         data = {a for r in self.roles if r.data for a in r.axes}
         return tuple(a for a, _ in self.mesh if a in data)
 
-    @property
-    def strategies(self) -> tuple[str, ...]:
-        """The strategies that placed the model, in the order they were applied."""
-        return tuple(dict.fromkeys(r.strategy for r in self.roles))
-
     def of(self, name: str) -> ParameterPlacement:
         """Parameter ``name``'s placement (replicated on every axis when no strategy
         placed it: a parameter the model holds outside any strategy's reach)."""
