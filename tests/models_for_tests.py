@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 # the GPT the examples train (examples/ is not a package)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _gpt_model import GPT, GPTConfig
+from _gpt_model import Block as Block  # the examples' transformer block, for the tests
 
 
 class MLP(nn.Module):

@@ -22,6 +22,7 @@ from lamina.strategies.pp.cut import BlockCosts, cut_stages, measure_costs
 from lamina.strategies.pp.schedules import bubble_fraction, schedule_kind
 from lamina.testing import run_ranks
 from models_for_tests import GPT, GPTConfig, tiny_llama
+from modern_models import fused_llama, qwen3, qwen3_moe
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -36,10 +37,18 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _build(name: str, width: int = 32) -> nn.Module:
-    """The GPT example (tied embedding and head) or a Hugging Face Llama, 8 blocks."""
+    """The GPT example (tied embedding and head), a Hugging Face Llama, or a model in
+    today's styles (:mod:`modern_models`: the fused Llama with its blocks in a
+    ``ModuleDict``, Qwen3, Qwen3-MoE), 8 blocks (4 for the MoE)."""
     if name == "gpt":
         config = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=LAYERS, n_heads=4)
         return GPT(config)
+    if name == "fused":
+        return fused_llama(0, layers=LAYERS, dim=32, hidden=64)
+    if name == "qwen3":
+        return qwen3(0, layers=LAYERS)
+    if name == "moe":
+        return qwen3_moe(0, layers=4)
     return tiny_llama(0, num_hidden_layers=LAYERS)
 
 
@@ -108,6 +117,15 @@ def _train_once(
     diff = max((named[n] - t).abs().max().item() for n, t in mine.items())
     plan = ours.execution_plan  # type: ignore[union-attr]
     phases = ours.lamina_pp.engine.last_phases  # type: ignore[union-attr]
+    # attention split by heads where tp holds a stage: its projections cut on their rows
+    # in the placement, each rank holding half of them
+    placement = ours.placement  # type: ignore[union-attr]
+    local = dict(ours.named_parameters())
+    attention = {
+        n: (placement.of(n).describe(), _rows(local[n]), named[n].shape[0])
+        for n in local
+        if n.endswith(("wqkv.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight"))
+    }
     return {
         "loss": max(loss_errors),
         "norm": max(norm_errors),
@@ -116,7 +134,13 @@ def _train_once(
         "strategy": plan.strategy,
         "names": sorted(n for n, _ in ours.named_parameters(remove_duplicate=False)),
         "phases": (phases.schedule_s, phases.compute_s, phases.gradient_sync_s),
+        "attention": attention,
     }
+
+
+def _rows(param: torch.Tensor) -> int:
+    """Rows of this rank's piece before any sharding over dp (a shard's whole slice)."""
+    return int((param.full_tensor() if isinstance(param, DTensor) else param).shape[0])
 
 
 def _save(name: str, directory: str, strategy: Any = "pp") -> dict[str, torch.Tensor]:
@@ -162,6 +186,9 @@ PP_DP_CASES = [
     ("gpt", "zbv", "adamw"),
     ("llama", "gpipe", "adamw"),
     ("llama", "interleaved1f1b", "sgd"),
+    ("fused", "1f1b", "adamw"),
+    ("qwen3", "gpipe", "sgd"),
+    ("moe", "1f1b", "adamw"),
 ]
 #: Each schedule once with the stages sharded by ZeRO-3 over dp (both models, both optimizers).
 PP_ZERO3_CASES = [
@@ -180,6 +207,9 @@ PP_TP_CASES = [
     (("pp", "tp"), "gpt", "interleaved1f1b", "sgd"),
     (("pp", "tp"), "llama", "gpipe", "sgd"),
     (("pp", "hsdp"), "gpt", "1f1b", "adamw"),
+    (("pp", "tp"), "fused", "1f1b", "adamw"),
+    (("pp", "tp"), "qwen3", "interleaved1f1b", "sgd"),
+    (("pp", "tp"), "moe", "gpipe", "adamw"),
 ]
 PP4_CASES = [
     ("gpt", "interleaved1f1b", "adamw"),
@@ -299,7 +329,14 @@ def test_pp_by_tp_with_or_without_zero3_trains_as_one_process(
     """pp=2 x dp=2 x tp=2: each stage's layers split over tp (tensor-parallel slices
     gathered whole for the comparison), the stages sharded over dp or replicated there."""
     label = "+".join(strategies)
-    _check(pp_tp_results, f"{label}/{name}/{schedule}/{optimizer}", strategy=label)
+    key = f"{label}/{name}/{schedule}/{optimizer}"
+    _check(pp_tp_results, key, strategy=label)
+    if "tp" in strategies and name != "gpt":  # attention split by heads in each stage
+        for rank, result in enumerate(pp_tp_results):
+            attention = result[key]["attention"]
+            assert attention, (rank, key)
+            for param, (placed, rows, whole) in attention.items():
+                assert "tp: Split(0" in placed and rows * 2 == whole, (rank, param, placed)
 
 
 @pytest.mark.timeout(700)
@@ -478,7 +515,7 @@ def test_strategies_composed_in_an_order_lamina_does_not_run_are_one_line(
 
 def test_a_model_without_a_chain_of_blocks_is_one_line() -> None:
     model = nn.Linear(4, 4)
-    with pytest.raises(ConfigError, match=r"no nn\.ModuleList or nn\.Sequential") as err:
+    with pytest.raises(ConfigError, match=r"nn\.ModuleDict or other container") as err:
         find_chain(model, lambda: model(torch.randn(2, 4)))
     assert "\n" not in str(err.value)
 

@@ -36,9 +36,16 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _torchtitan_llama_plan(layers: int) -> dict[str, ParallelStyle]:
-    """The hand-written plan torchtitan gives a Llama, in Hugging Face's module names."""
+    """The hand-written plan torchtitan gives a Llama, in Hugging Face's module names: the
+    sequence split entering the first block (Hugging Face's model reads the embedding's
+    output for positions and the mask, so it stays whole until then)."""
     plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+        "model.layers.0": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
@@ -120,7 +127,7 @@ def _expected_local(
     module, _, attr = name.rpartition(".")
     columns, rows = plan.columns(), plan.rows()
     if module in columns:
-        return shard_rows(full, tp, columns[module].chunks)
+        return shard_rows(full, tp, columns[module].parts(int(full.shape[0])))
     if module in rows and attr == "weight":
         return shard_columns(full, tp)
     if module in {e.module for e in plan.embeddings} | {h.module for h in plan.heads}:
@@ -239,29 +246,57 @@ def test_tp_by_zero3_trains_as_one_process(
         assert got["axes"] == ["fsdp", "tp", "world"]
 
 
-def test_a_given_plan_that_splits_part_of_a_region_or_a_missing_module_is_one_line() -> None:
-    from lamina.strategies.tp.given import plan_from_styles
-
+def test_a_given_plan_that_cannot_run_is_one_line_naming_the_layer() -> None:
     model = tiny_llama()
-    derived = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True)
-    partial = {"model.layers.0.self_attn.q_proj": ColwiseParallel()}
-    with pytest.raises(ConfigError, match=r"splits part of model\.layers\.0\.self_attn but not"):
-        plan_from_styles(partial, derived, model)
+
+    def given(plan: dict[str, ParallelStyle]) -> TensorPlan:
+        return derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True, given=plan)
+
+    with pytest.raises(ConfigError) as err:  # q split, k and v whole: no row takes it
+        given({"model.layers.0.self_attn.q_proj": ColwiseParallel()})
+    assert "\n" not in str(err.value) and "model.layers.0.self_attn.q_proj" in str(err.value)
     with pytest.raises(ConfigError, match="does not have"):
-        plan_from_styles({"model.nope": ColwiseParallel()}, derived, model)
+        given({"model.nope": ColwiseParallel()})
     swapped = _torchtitan_llama_plan(2)
     swapped["model.layers.0.mlp.down_proj"] = ColwiseParallel()
-    with pytest.raises(ConfigError, match=r"down_proj a ColwiseParallel.*row-parallel"):
-        plan_from_styles(swapped, derived, model)
+    with pytest.raises(ConfigError, match=r"down_proj a ColwiseParallel, but its input is already"):
+        given(swapped)
+    unsplit = _torchtitan_llama_plan(2)
+    del unsplit["model.layers.1.mlp.up_proj"], unsplit["model.layers.1.mlp.gate_proj"]
+    with pytest.raises(ConfigError, match=r"down_proj a RowwiseParallel, but its input is not"):
+        given(unsplit)
 
 
 def test_the_given_torchtitan_plan_is_the_derived_plan() -> None:
-    from lamina.strategies.tp.given import plan_from_styles
-
     model = tiny_llama()
     derived = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True)
-    given = plan_from_styles(_torchtitan_llama_plan(2), derived, model)
+    plan = _torchtitan_llama_plan(2)
+    given = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=False, given=plan)
     assert given.lines()[1:] == derived.lines()[1:]
+    assert given.source == "given as torch ParallelStyle objects" and not given.differences
+
+
+def test_a_given_plan_that_leaves_layers_whole_runs_as_given_and_says_how_it_differs() -> None:
+    model = tiny_llama()
+    plan: dict[str, ParallelStyle] = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(2):  # attention left whole, no sequence parallelism
+        plan |= {
+            f"model.layers.{i}.mlp.gate_proj": ColwiseParallel(),
+            f"model.layers.{i}.mlp.up_proj": ColwiseParallel(),
+            f"model.layers.{i}.mlp.down_proj": RowwiseParallel(),
+        }
+    given = derive_plan(model, (_ids(0),), None, 2, sequence_parallel=True, given=plan)
+    assert {r.module for r in given.regions} == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert not given.sequence_parallel and not given.embeddings
+    assert any(
+        d.startswith("model.layers.0.self_attn.q_proj: given whole, derived ColwiseParallel(")
+        for d in given.differences
+    ), given.differences
+    from lamina.runtime import explain
+    from lamina.strategies.tp.plan_nodes import build_tensor_plan
+
+    text = explain(build_tensor_plan(given, model, (0, 1), "tp", 2, "gloo"))
+    assert "differs from the derived plan: model.layers.0.self_attn.q_proj: given whole" in text
 
 
 def test_plan_explain_prints_the_layer_plan_and_each_activation_collective() -> None:

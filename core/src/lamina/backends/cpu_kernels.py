@@ -16,6 +16,7 @@ from lamina.device.fp8_kernels import (
     block_exponents,
     check_fp8_dequantize_args,
     check_fp8_quantize_args,
+    saturated,
 )
 from lamina.device.kernels import (
     KernelRegistry,
@@ -75,7 +76,7 @@ def fp8_quantize_exp2(
         blocks = x.reshape(-1, block).float()
         exponent = block_exponents(blocks.abs().amax(dim=1, keepdim=True))
         target = payload.view(torch.float8_e4m3fn).view(-1, block)
-        target.copy_(blocks * torch.exp2(exponent))
+        target.copy_(saturated(blocks * torch.exp2(exponent)))
         exponents.copy_(exponent.reshape(-1))
     return payload, exponents
 

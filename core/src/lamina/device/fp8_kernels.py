@@ -114,6 +114,13 @@ def block_exponents(amax: torch.Tensor) -> torch.Tensor:
     return exponent - (torch.ldexp(safe, exponent) > E4M3_MAX).float()
 
 
+def saturated(scaled: torch.Tensor) -> torch.Tensor:
+    """``scaled`` clamped to e4m3's finite range (NaN stays NaN): what the cast then
+    writes is ±448 for anything beyond, on every torch release (torch before 2.13 casts
+    ±inf and values from 480 to NaN, later ones saturate)."""
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX)
+
+
 def fp8_quantize_reference(
     config: LaunchConfig,
     x: torch.Tensor,
@@ -126,7 +133,7 @@ def fp8_quantize_reference(
     with torch.no_grad():
         blocks = x.reshape(-1, block).float()
         exponent = block_exponents(blocks.abs().amax(dim=1, keepdim=True))
-        scaled = torch.ldexp(blocks, exponent).to(torch.float8_e4m3fn)
+        scaled = saturated(torch.ldexp(blocks, exponent)).to(torch.float8_e4m3fn)
         payload.copy_(scaled.view(torch.uint8).reshape(-1))
         exponents.copy_(exponent.reshape(-1).to(torch.int8))
     return payload, exponents

@@ -1,10 +1,13 @@
 """Parameter units from the module structure: what is gathered and freed together.
 
 A unit is a group of parameters that ZeRO-3 keeps in one flat buffer: all-gathered
-before the unit's forward, freed after it. By default each child of the model's block
-container (the first ``nn.ModuleList`` / ``nn.Sequential`` whose children hold
-parameters: the transformer blocks, the MLP layers) is one unit, and every other
-parameter (embeddings, final norm, head) goes to the root unit. Frozen parameters
+before the unit's forward, freed after it. By default each block of the model's block
+container (the transformer blocks, the MLP layers) is one unit, and every other
+parameter (embeddings, final norm, head) goes to the root unit. ZeRO-3 passes the blocks
+:func:`lamina.graph.blocks.unit_blocks` finds (an ``nn.ModuleList``, ``nn.Sequential``,
+``nn.ModuleDict`` or custom container of blocks); called without them, the children of
+the first ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` are taken (this layer
+cannot import the graph layer). Frozen parameters
 (``requires_grad=False``) are sharded too, as FSDP2 shards them: a frozen base model
 takes 1/N of its memory per rank, like a trained one.
 """
@@ -33,14 +36,18 @@ def _join(prefix: str, name: str) -> str:
 
 
 def unit_modules(
-    model: nn.Module, unit_types: tuple[type[nn.Module], ...] | None = None
+    model: nn.Module,
+    unit_types: tuple[type[nn.Module], ...] | None = None,
+    blocks: Sequence[str] | None = None,
 ) -> list[str]:
     """Qualified names of the modules that become units (before merging small ones).
 
     With ``unit_types``: every outermost submodule of those types (the model itself
-    excluded: the root unit covers it). Without: the children with parameters
-    of the first ``nn.ModuleList`` / ``nn.Sequential`` (in ``named_modules()`` order,
-    the model itself included) that has such children; none if there is no container.
+    excluded: the root unit covers it). Else ``blocks`` when given (ZeRO-3's:
+    :func:`lamina.graph.blocks.unit_blocks`). Else the children with parameters of the
+    first ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` (in
+    ``named_modules()`` order, the model itself included) that has such children; none if
+    there is no container.
     """
     if unit_types is not None:
         chosen: list[str] = []
@@ -51,8 +58,10 @@ def unit_modules(
                 continue  # nested inside a unit already chosen
             chosen.append(name)
         return chosen
+    if blocks is not None:
+        return list(blocks)
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             children = [_join(name, c) for c, m in module.named_children() if _has_parameters(m)]
             if children:
                 return children
@@ -102,25 +111,25 @@ def group_units(
     *,
     min_unit_numel: int = DEFAULT_MIN_UNIT_NUMEL,
     unit_types: tuple[type[nn.Module], ...] | None = None,
+    blocks: Sequence[str] | None = None,
 ) -> list[tuple[str, list[str]]]:
     """Group ``model``'s parameters into units: ``[(unit name, [param names])]``.
 
-    Units come from :func:`unit_modules`; parameters outside them form ``"(root)"``.
-    Block units under ``min_unit_numel`` elements are merged forward with the blocks
-    after them until the group reaches the threshold; a small group left at the end
-    joins the group before it. A merged unit is named ``"first..last"`` (e.g.
-    ``"blocks.0..blocks.2"``). The root unit is never merged: it holds parameters used
-    at both ends of the forward (embeddings, final norm, head). Tied parameters appear
-    once, under the name ``named_parameters()`` keeps; frozen parameters
-    (``requires_grad=False``) are grouped like the others. Parameters keep
-    ``named_parameters()`` order within a unit, and units are ordered by their first
-    parameter.
+    Units come from :func:`unit_modules` (``unit_types``, else ``blocks``); parameters
+    outside them form ``"(root)"``. Block units under ``min_unit_numel`` elements are merged
+    forward with the blocks after them until the group reaches the threshold; a small group
+    left at the end joins the group before it. A merged unit is named ``"first..last"``
+    (e.g. ``"blocks.0..blocks.2"``). The root unit is never merged: it holds parameters used
+    at both ends of the forward (embeddings, final norm, head). Tied parameters appear once,
+    under the name ``named_parameters()`` keeps; frozen parameters (``requires_grad=False``)
+    are grouped like the others. Parameters keep ``named_parameters()`` order within a unit,
+    and units are ordered by their first parameter.
     """
     if min_unit_numel < 0:
         raise ConfigError(f"min_unit_numel must be >= 0, got {min_unit_numel}")
     every = list(model.named_parameters())
     position = {name: i for i, (name, _) in enumerate(every)}
-    modules = unit_modules(model, unit_types)
+    modules = unit_modules(model, unit_types, blocks)
     members: dict[str, list[str]] = {m: [] for m in modules}
     sizes: dict[str, int] = dict.fromkeys(modules, 0)
     root: list[str] = []
@@ -132,9 +141,9 @@ def group_units(
         else:
             members[owner].append(name)
             sizes[owner] += param.numel()
-    blocks = [(m, members[m], sizes[m]) for m in modules if members[m]]
-    blocks.sort(key=lambda b: position[b[1][0]])
-    units = _merge_small(blocks, min_unit_numel)
+    held = [(m, members[m], sizes[m]) for m in modules if members[m]]
+    held.sort(key=lambda b: position[b[1][0]])
+    units = _merge_small(held, min_unit_numel)
     if root:
         units.append((ROOT_UNIT, root))
     units.sort(key=lambda u: position[u[1][0]])

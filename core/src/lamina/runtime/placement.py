@@ -36,13 +36,16 @@ class Replicate:
 @dataclass(frozen=True)
 class Split:
     """The tensor is cut on ``dim`` across the axis (tensor parallelism: each rank holds
-    its slice, ``chunks`` blocks of rows at a time for a fused projection)."""
+    its slice; for a fused projection, rows block by block, ``parts`` the blocks' whole
+    sizes)."""
 
     dim: int
-    chunks: int = 1
+    parts: tuple[int, ...] = ()
 
     def describe(self) -> str:
-        return f"Split({self.dim})" if self.chunks == 1 else f"Split({self.dim}, x{self.chunks})"
+        if len(self.parts) < 2:
+            return f"Split({self.dim})"
+        return f"Split({self.dim}, {'+'.join(map(str, self.parts))})"
 
 
 @dataclass(frozen=True)

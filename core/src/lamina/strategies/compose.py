@@ -178,10 +178,23 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
         if earlier:
             raise ConfigError(
                 f"strategies {names} do not compose: {strategy.name!r} cannot hold a model "
-                f"{earlier[0].name!r} has placed ({earlier[0].role}); compose {strategy.name!r} "
-                "with a split (tp) or a pipeline (pp) before it, or use it alone"
+                f"{earlier[0].name!r} has placed ({earlier[0].role}); "
+                + _compose_hint(strategy, earlier[0])
             )
     return applied
+
+
+def _compose_hint(strategy: Strategy, earlier: Strategy) -> str:
+    """What to do instead, from what ``strategy`` declares it can hold."""
+    if earlier.role == "pipeline" and strategy.role == "replicate":
+        return (
+            f"a pipeline replicates its stages over the mesh's other axes itself: distribute "
+            f"with {earlier.name!r} alone on a mesh with those axes"
+        )
+    if not strategy.holds_after:
+        return f"use {strategy.name!r} alone"
+    roles = " or ".join(sorted(strategy.holds_after))
+    return f"compose {strategy.name!r} only after a strategy whose role is {roles}, or alone"
 
 
 def _route_options(

@@ -1,7 +1,8 @@
 """A rank's pipeline stages on one pruned copy of the model (:func:`build_stages`).
 
 The model keeps its module tree and parameter names: blocks no local stage runs are
-replaced by :class:`SkippedBlock` (no parameters), the suffix's parameters are dropped
+replaced, under their own names in whatever container holds them, by
+:class:`SkippedBlock` (no parameters), the suffix's parameters are dropped
 where no local stage is the last, and the prefix's parameters become plain tensors
 (not parameters, not in the state dict) where no local stage is the first, because every
 stage runs the prefix to get the blocks' side inputs (masks, position tables) under
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lamina.graph.blocks import STANDS_IN_FOR
 from lamina.strategies.pp.chain import BlockChain
 
 #: Keyword under which positional model inputs travel to every stage (torch's schedules
@@ -47,11 +49,15 @@ class StageSpan:
 
 
 class SkippedBlock(nn.Module):
-    """A block another rank's stage runs: hands its first input on unchanged."""
+    """A block another rank's stage runs: hands its first input on unchanged. It names
+    the block's class (:data:`~lamina.graph.blocks.STANDS_IN_FOR`), so that a custom
+    container holding it is still found as one."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, block: nn.Module | None = None) -> None:
         super().__init__()
         self.runs_on_another_stage = name
+        if block is not None:
+            setattr(self, STANDS_IN_FOR, type(block))
 
     def forward(self, x: Any, *_args: Any, **_kwargs: Any) -> Any:
         return x
@@ -142,10 +148,9 @@ def build_stages(
     """Prune ``model`` in place to what ``spans`` (this rank's stages) run; their runners."""
     running = _Running()
     local = {i for s in spans for i in range(s.start, s.stop)}
-    container = model.get_submodule(chain.container)
     for i, name in enumerate(chain.blocks):
         if i not in local:
-            container[i] = SkippedBlock(name)  # type: ignore[index, operator]
+            _replace(model, name, SkippedBlock(name, model.get_submodule(name)))
     if not any(s.is_last for s in spans):
         for name in chain.suffix:
             _drop_parameters(model.get_submodule(name))
@@ -161,6 +166,13 @@ def build_stages(
         if index in local:
             _only_when_running(model.get_submodule(name), index, running)
     return [StageRunner(model, chain, s, running) for s in spans]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` in place of submodule ``name``, under the same name (any container:
+    a list's ``"3"``, a dict's ``"blk_a"``, a custom module's attribute)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
 
 
 def _under(param: nn.Parameter, model: nn.Module, prefixes: Sequence[str]) -> bool:

@@ -36,7 +36,6 @@ from lamina.strategies.extension import extend_class
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.apply import apply_plan
 from lamina.strategies.tp.derive import derive_plan
-from lamina.strategies.tp.given import plan_from_styles, wants_sequence_parallel
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.module import TensorParallelism, TensorParallelModule
 from lamina.strategies.tp.options import TensorParallelOptions
@@ -100,10 +99,9 @@ class TensorParallelStrategy(Strategy):
         args: Any = _on_device(options.example_inputs or (), ctx, model)
         kwargs: Any = _on_device(options.example_kwargs or {}, ctx, model)
         given = options.plan
-        sequence = options.sequence_parallel if given is None else wants_sequence_parallel(given)
-        layers = derive_plan(model, args, kwargs, tp.size, sequence_parallel=sequence)
-        if given is not None:
-            layers = plan_from_styles(given, layers, model)
+        layers = derive_plan(
+            model, args, kwargs, tp.size, sequence_parallel=options.sequence_parallel, given=given
+        )
         axis = ctx.mesh.axes_label(placement.shard)
         backend = str(dist.get_backend(group))
         plan = build_tensor_plan(layers, model, ranks, axis, ctx.world_size, backend)
@@ -141,7 +139,7 @@ class TensorParallelStrategy(Strategy):
             return {}
         axis = placement.shard[0]
         return {
-            name: {axis: Split(split.dim % len(split.full_shape), split.chunks)}
+            name: {axis: Split(split.dim % len(split.full_shape), split.parts)}
             for name, split in held.views.splits.items()
         }
 

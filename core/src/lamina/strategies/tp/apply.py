@@ -42,10 +42,11 @@ from lamina.strategies.tp.plan_nodes import (
     params_node,
     split_node,
 )
+from lamina.strategies.tp.written_sizes import scale_written_sizes
 
 Hook = Callable[..., Any]
-#: Parameter (id or name) -> (split dim, chunks, whole shape).
-Splits = dict[Any, tuple[int, int, tuple[int, ...]]]
+#: Parameter (id or name) -> (split dim, row parts, whole shape).
+Splits = dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,22 @@ class _Entered:
         return enter
 
 
-def shard_rows(tensor: torch.Tensor, tp: TensorGroup, chunks: int = 1) -> torch.Tensor:
-    """This rank's rows of ``tensor``: each of its ``chunks`` row blocks split ``tp`` ways."""
-    blocks = tensor.reshape(chunks, tensor.shape[0] // chunks, *tensor.shape[1:])
-    mine = blocks.chunk(tp.size, dim=1)[tp.index]
-    return mine.reshape(-1, *tensor.shape[1:])
+def shard_rows(
+    tensor: torch.Tensor, tp: TensorGroup, parts: int | tuple[int, ...] = 1
+) -> torch.Tensor:
+    """This rank's rows of ``tensor``: each of its row blocks (``parts``: that many equal
+    ones, or blocks of these sizes) split ``tp`` ways."""
+    sizes = _row_parts(tensor.shape[0], parts)
+    if len(sizes) == 1:
+        return tensor.chunk(tp.size, dim=0)[tp.index]
+    blocks = torch.split(tensor, list(sizes), dim=0)
+    return torch.cat([block.chunk(tp.size, dim=0)[tp.index] for block in blocks], dim=0)
+
+
+def _row_parts(rows: int, parts: int | tuple[int, ...]) -> tuple[int, ...]:
+    if isinstance(parts, tuple):
+        return parts
+    return (rows // parts,) * parts
 
 
 def shard_columns(tensor: torch.Tensor, tp: TensorGroup) -> torch.Tensor:
@@ -129,6 +141,9 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup, run_log: Run
         handles.append(module.register_forward_hook(_finish_head(heads, tp, log, head.module)))
     if plan.sequence_parallel:
         handles += _apply_sequence(model, plan, tp, log)
+    for name, _ in plan.shared_modules:  # whole parameters, each rank's part of the gradient
+        handles += _summed_params(model, name, tp, log)
+    scale_written_sizes(model, plan.written_sizes, tp.size)
 
     def forget(*_: Any) -> None:
         entered.prepared.clear()
@@ -172,9 +187,10 @@ def _apply_region(
     grad_summed = PlannedCollective(log, backward_node(region.module))
     for column in region.columns:
         linear: Any = model.get_submodule(column.linear)
-        _swap(linear.weight, 0, column.chunks, tp, done)
+        parts = column.parts(int(linear.weight.shape[0]))
+        _swap(linear.weight, 0, parts, tp, done)
         if linear.bias is not None:
-            _swap(linear.bias, 0, column.chunks, tp, done)
+            _swap(linear.bias, 0, parts, tp, done)
         gathers = gathered if plan.sequence_parallel and not region.owned else None
         handles.append(
             linear.register_forward_pre_hook(entered.hook(plan, tp, gathers, grad_summed))
@@ -195,14 +211,16 @@ def _apply_region(
     return handles
 
 
-def _swap(param: Any, dim: int, chunks: int, tp: TensorGroup, done: Splits) -> None:
+def _swap(
+    param: Any, dim: int, parts: int | tuple[int, ...], tp: TensorGroup, done: Splits
+) -> None:
     """``param`` (the same object) becomes its slice on ``dim`` (once: tied weights are
-    split once), recorded in ``done``."""
+    split once; rows ``parts`` blocks at a time), recorded in ``done``."""
     if id(param) in done:
         return
     whole = param.detach()
-    done[id(param)] = (dim, chunks, tuple(whole.shape))
-    local = shard_rows(whole, tp, chunks) if dim == 0 else shard_columns(whole, tp)
+    done[id(param)] = (dim, _row_parts(int(whole.shape[0]), parts), tuple(whole.shape))
+    local = shard_rows(whole, tp, parts) if dim == 0 else shard_columns(whole, tp)
     assert isinstance(param, nn.Parameter)
     replacement = nn.Parameter(local.clone(), requires_grad=param.requires_grad)
     replacement.__dict__.update(param.__dict__)
@@ -293,12 +311,19 @@ def _apply_sequence(model: nn.Module, plan: TensorPlan, tp: TensorGroup, log: St
 
     handles.append(first.register_forward_pre_hook(split, with_kwargs=True))
     for name in plan.sequence_modules:
-        module = model.get_submodule(name)
-        held: dict[str, Any] = {}
-        summed = PlannedCollective(log, params_node(name))
-        handles.append(module.register_forward_pre_hook(_sum_params_in(held, tp, summed)))
-        handles.append(module.register_forward_hook(_sum_params_out(held)))
+        handles += _summed_params(model, name, tp, log)
     return handles
+
+
+def _summed_params(model: nn.Module, name: str, tp: TensorGroup, log: StepLog) -> list[Any]:
+    """Hooks summing the gradients of module ``name``'s own parameters over the group."""
+    module = model.get_submodule(name)
+    held: dict[str, Any] = {}
+    summed = PlannedCollective(log, params_node(name))
+    return [
+        module.register_forward_pre_hook(_sum_params_in(held, tp, summed)),
+        module.register_forward_hook(_sum_params_out(held)),
+    ]
 
 
 def _sum_params_in(held: dict[str, Any], tp: TensorGroup, summed: PlannedCollective) -> Hook:

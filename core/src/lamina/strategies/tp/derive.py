@@ -18,16 +18,34 @@ the modules whose parameters they meet (norms) have their gradients summed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils import _pytree as pytree
 
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
-from lamina.strategies.tp.layers import Column, Region, Row, TensorPlan, VocabLayer
+from lamina.graph.blocks import block_holding
+from lamina.graph.state import preserved
+from lamina.strategies.tp.given import (
+    check_styles,
+    differences,
+    given_layers,
+    given_role,
+    wants_sequence_parallel,
+)
+from lamina.strategies.tp.layers import (
+    Column,
+    Region,
+    Row,
+    TensorPlan,
+    VocabLayer,
+    WrittenSize,
+)
 from lamina.strategies.tp.trace import ModuleCall, OpRecord, RecordedForward, record_forward
 
 _SAME_SHAPE = frozenset(
@@ -95,6 +113,10 @@ _ELEMENTWISE = frozenset(
     )
 )
 _NORMALIZING = frozenset({"softmax", "log_softmax", "_softmax"})
+#: Norms over their input's last ``len(normalized_shape)`` dims.
+_NORMS = frozenset({"layer_norm", "rms_norm"})
+#: Ops that cut a tensor into parts (a fused projection's q, k, v).
+_PARTS = frozenset({"chunk", "split", "unbind", "split_with_sizes"})
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm"})
 
 
@@ -116,6 +138,10 @@ class _RegionFacts:
     row_outputs: list[torch.Tensor] = field(default_factory=list)
     conflict: str = ""
     output: bool = False
+    #: Modules whose parameters meet the region's split activations, with the dim their
+    #: input is split on.
+    shared: list[tuple[str, int]] = field(default_factory=list)
+    written: list[WrittenSize] = field(default_factory=list)
 
 
 class _Deriver:
@@ -127,6 +153,13 @@ class _Deriver:
         self.embeddings: dict[str, torch.Tensor] = {}
         self.weights = _weight_owners(model)
         self.model_inputs: list[torch.Tensor] = []
+        #: A plan given as torch styles: only its layers are split (see :func:`derive_plan`).
+        self.given: Mapping[str, ParallelStyle] | None = None
+
+    def _origin(self, x: torch.Tensor) -> str:
+        """The column-parallel layers whose split output ``x`` is (for errors)."""
+        state = self.state(x)
+        return "" if state is None else ", ".join(self.facts[state.region].columns)
 
     # regions, merged when their activations meet
     def find(self, region: int) -> int:
@@ -146,6 +179,8 @@ class _Deriver:
             into.row_outputs.extend(merged.row_outputs)
             into.conflict = into.conflict or merged.conflict
             into.output = into.output or merged.output
+            into.shared += [m for m in merged.shared if m not in into.shared]
+            into.written += merged.written
         return root
 
     def conflict(self, regions: Sequence[int], why: str) -> None:
@@ -178,9 +213,30 @@ class _Deriver:
             return self.conflict(regions, f"{where} combines activations split on other dims")
         dim = dims.pop()
         root = self.union(regions)
-        for out, out_dim in self._carry(name, rec, states[0][0], dim, where, root):
-            column = states[0][1].column if name in ("chunk", "split", "unbind") else None
+        carried = self._carry(name, rec, states[0][0], dim, where, root)
+        for out, out_dim in carried:
+            column = states[0][1].column if name in _PARTS else None
             self.mark(out, root, out_dim, column)
+        if carried:
+            x = states[0][0]
+            self._shared(rec, self.find(root), dim % x.dim())
+
+    def _shared(self, rec: OpRecord, root: int, dim: int) -> None:
+        """The modules whose parameters ``rec`` applies to activations split on ``dim``:
+        each rank holds them whole and computes part of their gradient."""
+        known = {name for name, _ in self.facts[root].shared}
+        for t in rec.inputs:
+            if isinstance(t, nn.Parameter) and self.state(t) is None:
+                owner = self._param_module(t, rec)
+                if owner is not None and owner not in known:
+                    self.facts[root].shared.append((owner, dim))
+                    known.add(owner)
+
+    def _param_module(self, param: nn.Parameter, rec: OpRecord) -> str | None:
+        for module in reversed(rec.stack):
+            if any(p is param for p in self.model.get_submodule(module)._parameters.values()):
+                return module
+        return None
 
     def _carry(
         self, name: str, rec: OpRecord, x: torch.Tensor, dim: int, where: str, root: int
@@ -196,6 +252,20 @@ class _Deriver:
                 self.conflict([root], f"{where} normalizes over the split dim")
                 return []
             return [(outs[0], dim)]
+        if name in _NORMS:
+            shape = _arg(rec, 1, "normalized_shape", ())
+            span = 1 if isinstance(shape, int) else len(shape)
+            if pos >= x.dim() - span:
+                return self._refuse(root, f"{where} normalizes over the split dim")
+            return [(outs[0], dim)]
+        if name == "view_as_complex":  # the last dim (re, im pairs) goes
+            return (
+                self._refuse(root, f"{where} pairs the split dim")
+                if dim == -1
+                else [(outs[0], dim + 1)]
+            )
+        if name == "view_as_real":  # a last dim (re, im) comes
+            return [(outs[0], dim - 1)]
         if name in ("view", "reshape", "flatten", "unflatten"):
             new = _new_dim(tuple(x.shape), tuple(outs[0].shape), pos)
             if new is None or outs[0].shape[new] % self.size:
@@ -203,6 +273,7 @@ class _Deriver:
             column = self.state(x)
             if column is not None and column.column and outs[0].dim() > x.dim():
                 self._heads(column.column, int(outs[0].shape[new]), rec)
+            self._written_shape(rec, x, pos, outs[0], new, root)
             return [(outs[0], new - outs[0].dim())]
         if name in ("transpose", "swapaxes", "permute", "movedim"):
             order = _permutation(rec, x.dim(), name)
@@ -221,6 +292,10 @@ class _Deriver:
             return [(outs[0], dim)]
         if name == "scaled_dot_product_attention":
             return [(outs[0], dim)] if pos < x.dim() - 2 else self._refuse(root, where)
+        if name == "repeat_interleave" and _arg(rec, 2, "dim", None) is not None:
+            axis, repeats = _arg(rec, 2, "dim", None) % x.dim(), _arg(rec, 1, "repeats", None)
+            if axis == pos and isinstance(repeats, int):  # each slice's rows repeated in it
+                return [(outs[0], dim)]
         if name in ("expand", "expand_as", "repeat_interleave", "unsqueeze", "squeeze"):
             return self._same_rank(rec, x, dim, where, root)
         if name == "__getitem__":
@@ -242,7 +317,77 @@ class _Deriver:
             keep = bool(_arg(rec, 2, "keepdim", False))
             shift = 0 if keep else sum(1 for a in axes if a % x.dim() > pos)
             return [(outs[0], dim + shift)]
-        return self._refuse(root, f"{where} (op {name}) is not known to keep the split dim apart")
+        probed = self._probe(rec, name)
+        if probed is not None:
+            return probed
+        out = outs[0]
+        if self.given is not None and out.dim() == x.dim() and out.shape[pos] == x.shape[pos]:
+            return [(out, dim)]  # a given plan runs it on the slice, as torch does
+        return self._refuse(root, f"{where} does not keep the split dim apart")
+
+    def _probe(self, rec: OpRecord, name: str) -> list[tuple[torch.Tensor, int]] | None:
+        """``rec``'s output split on the one dim where running the op on each slice of its
+        split inputs gives that slice of its output (None: no such dim, or the op cannot
+        be rerun: in place, or shapes without values)."""
+        out = rec.outputs[0] if len(rec.outputs) == 1 else None
+        if out is None or name.endswith("_") or "out" in rec.kwargs:
+            return None
+        if out.is_meta or any(t.is_meta for t in rec.inputs):
+            return None
+
+        found: int | None = None
+        for index in range(self.size):
+            got = self._on_slice(rec, index)
+            if not isinstance(got, torch.Tensor) or got.dim() != out.dim():
+                return None
+            moved = [i for i in range(out.dim()) if got.shape[i] != out.shape[i]]
+            if len(moved) != 1 or got.shape[moved[0]] * self.size != out.shape[moved[0]]:
+                return None
+            if found is not None and moved[0] != found:
+                return None
+            found = moved[0]
+            want = out.narrow(found, index * got.shape[found], got.shape[found])
+            same = (
+                torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+                if got.is_floating_point() or got.is_complex()
+                else torch.equal(got, want)
+            )
+            if not same:
+                return None
+        return None if found is None else [(out, found - out.dim())]
+
+    def _on_slice(self, rec: OpRecord, index: int) -> Any:
+        """``rec``'s op rerun on slice ``index`` of its split inputs (None: it fails)."""
+
+        def cut(value: Any) -> Any:
+            state = self.state(value) if isinstance(value, torch.Tensor) else None
+            if state is None:
+                return value
+            width = value.shape[state.dim] // self.size
+            return value.narrow(state.dim, index * width, width).contiguous()
+
+        try:
+            with torch.no_grad():
+                return rec.func(*pytree.tree_map(cut, rec.args), **pytree.tree_map(cut, rec.kwargs))
+        except Exception:  # the op does not run on a slice: it does not keep it apart
+            return None
+
+    def _written_shape(
+        self, rec: OpRecord, x: torch.Tensor, pos: int, out: torch.Tensor, new: int, root: int
+    ) -> None:
+        """A view/reshape whose arguments write the split dim's whole size: one that
+        gives it a new size (features viewed as heads); a size equal to the input's is
+        read off it (``x.shape[:-1]``) and is the slice's own on each rank."""
+        name = getattr(rec.func, "__name__", "")
+        if name not in ("view", "reshape"):
+            return
+        sizes = _shape_args(rec)
+        if sizes is None or len(sizes) != out.dim() or sizes[new] != out.shape[new]:
+            return  # -1 there: the slice's own size
+        if out.shape[new] == x.shape[pos]:
+            return
+        module = rec.stack[-1] if rec.stack else ""
+        self.facts[root].written.append(WrittenSize(module, name, sizes, new))
 
     def _refuse(self, root: int, why: str) -> list[tuple[torch.Tensor, int]]:
         self.conflict([root], why)
@@ -273,21 +418,32 @@ class _Deriver:
         self, rec: OpRecord, x: torch.Tensor, where: str, root: int
     ) -> list[tuple[torch.Tensor, int]]:
         origin = self.state(x)
-        sizes = {o.shape[-1] for o in rec.outputs}
-        if origin is None or origin.column is None or len(sizes) != 1 or origin.dim != -1:
+        if origin is None or origin.column is None or origin.dim != -1:
             return self._refuse(root, f"{where} splits the split dim")
+        sizes = tuple(int(o.shape[-1]) for o in rec.outputs)
+        if any(size % self.size for size in sizes):
+            return self._refuse(
+                root, f"{where}: the parts {list(sizes)} of {origin.column} not divisible"
+            )
         column = self.facts[root].columns[origin.column]
-        chunks = len(rec.outputs)
-        if sizes.pop() % self.size:
-            return self._refuse(root, f"{where}: chunks of {origin.column} not divisible")
-        self.facts[root].columns[origin.column] = Column(column.linear, chunks, column.heads)
+        sections = sizes if len(set(sizes)) > 1 else ()
+        self.facts[root].columns[origin.column] = Column(
+            column.linear, len(sizes), column.heads, sections
+        )
+        name = getattr(rec.func, "__name__", "")
+        written = _arg(rec, 1, "split_size_or_sections", None)
+        if name in ("split", "split_with_sizes") and written is not None:
+            module = rec.stack[-1] if rec.stack else ""
+            listed = (written,) if isinstance(written, int) else tuple(written)
+            self.facts[root].written.append(WrittenSize(module, name, listed))
         return [(o, -1) for o in rec.outputs]
 
     def _heads(self, column: str, heads: int, rec: OpRecord) -> None:
         for facts in self.facts.values():
             if column in facts.columns:
                 old = facts.columns[column]
-                facts.columns[column] = Column(old.linear, old.chunks, heads)
+                most = max(old.heads, heads)
+                facts.columns[column] = Column(old.linear, old.chunks, most, old.sections)
 
     def _bad_reshape(
         self,
@@ -316,6 +472,10 @@ class _Deriver:
             return False
         state = self.state(x)
         out = rec.outputs[0]
+        if self.given is not None:
+            given_role(self.given, owner, state is not None and state.dim == -1, self._origin(x))
+            if state is None and owner not in self.given:
+                return True  # whole on every rank
         if state is None:
             region = len(self.parent)
             self.parent[region] = region
@@ -361,12 +521,45 @@ def derive_plan(
     size: int,
     *,
     sequence_parallel: bool,
+    given: Mapping[str, ParallelStyle] | None = None,
 ) -> TensorPlan:
     """The tensor-parallel plan of ``model`` over ``size`` ranks from one forward on
     ``args`` / ``kwargs`` (see the module; a ConfigError for a head count ``size`` does
-    not divide)."""
+    not divide).
+
+    With ``given`` (torch ``ParallelStyle`` objects by module name), the plan is the one
+    they give, applied as torch applies it: only the layers they name are split, the
+    ops between run on the slices, sequence parallelism as they ask. It is checked for
+    what makes it inconsistent (a row-parallel layer whose input is not split, a layer
+    without a style fed a split activation, an op that mixes the split dim, a size the
+    tp size does not divide), each a one-line ConfigError, and carries how it differs
+    from the derived plan (``differences``: ``lamina plan --explain`` prints them)."""
     recorded = record_forward(model, args, kwargs)
+    if given is None:
+        return _derive(model, recorded, size, sequence_parallel, None)
+    check_styles(given, model)
+    sequence = wants_sequence_parallel(given)
+    try:
+        derived: TensorPlan | str = _derive(model, recorded, size, sequence, None)
+    except ConfigError as refused:  # the given plan may still be consistent
+        derived = str(refused)
+    plan = _derive(model, recorded, size, sequence, given)
+    return replace(
+        plan,
+        source="given as torch ParallelStyle objects",
+        differences=differences(given, derived),
+    )
+
+
+def _derive(
+    model: nn.Module,
+    recorded: RecordedForward,
+    size: int,
+    sequence_parallel: bool,
+    given: Mapping[str, ParallelStyle] | None,
+) -> TensorPlan:
     deriver = _Deriver(model, size)
+    deriver.given = given
     deriver.model_inputs = list(recorded.calls[0].args.values()) if recorded.calls else []
     for rec in recorded.ops:
         deriver.op(rec)
@@ -374,7 +567,11 @@ def derive_plan(
         state = deriver.state(out)
         if state is not None:
             deriver.facts[state.region].output = True
-    return _assemble(model, deriver, recorded, size, sequence_parallel)
+    plan = _assemble(model, deriver, recorded, size, sequence_parallel and given is None)
+    if given is None:
+        return plan
+    plan = given_layers(plan, given, model)
+    return _with_sequence(plan, recorded, model) if sequence_parallel else plan
 
 
 def _assemble(
@@ -387,6 +584,8 @@ def _assemble(
     regions: list[Region] = []
     heads: list[VocabLayer] = []
     replicated: list[tuple[str, str]] = []
+    shared: list[tuple[str, int]] = []
+    written: list[WrittenSize] = []
     for facts in deriver.facts.values():
         linears = [*facts.columns, *facts.rows]
         if facts.conflict:
@@ -400,13 +599,21 @@ def _assemble(
             replicated += [(name, why) for name in linears]
         else:
             regions.append(_region(facts, recorded.calls, model))
+            shared += [m for m in facts.shared if m not in shared]
+            written += [w for w in facts.written if w not in written]
     embeddings = [
         VocabLayer(name, tuple(out.shape), dtype_name(out.dtype))
         for name, out in deriver.embeddings.items()
     ]
     embeddings, heads = _tied_agree(model, embeddings, heads, replicated)
     plan = TensorPlan(
-        size, tuple(regions), tuple(embeddings), tuple(heads), replicated=tuple(replicated)
+        size,
+        tuple(regions),
+        tuple(embeddings),
+        tuple(heads),
+        replicated=tuple(replicated),
+        shared_modules=tuple(shared),
+        written_sizes=tuple(written),
     )
     if not sequence_parallel:
         return plan
@@ -438,6 +645,7 @@ def _region(facts: _RegionFacts, calls: list[ModuleCall], model: nn.Module) -> R
             if isinstance(m, nn.Linear)
         }
         == set(names),
+        positional=1 + max((k for k in call.args if isinstance(k, int)), default=0),
     )
 
 
@@ -490,7 +698,7 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
     if not plan.regions:
         return plan
     first = plan.regions[0].module
-    split_at = _block_of(first, model)
+    split_at = block_holding(model, first)
     # regions with a module of their own (gathered entering it) or whose output is summed
     # whole are followed as wholes; the others start at their column linears (each
     # gathers) and end at their row linear (reduce-scattered onto the slices)
@@ -530,11 +738,18 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
         if not rec.outputs or not any(id(t) in sliced for t in rec.inputs):
             continue
         if not _token_wise(name, rec):
-            where = rec.stack[-1] if rec.stack else "the model"
-            raise ConfigError(
-                f"sequence parallelism: {name} in {where} works across tokens on the "
-                "sequence slices; pass sequence_parallel=False"
-            )
+            whole_call = _token_wise_call(index, recorded, sliced, boundaries, model, plan.size)
+            if whole_call is None:
+                where = rec.stack[-1] if rec.stack and rec.stack[-1] else "the model"
+                raise ConfigError(_across_tokens(name, where, plan))
+            # a module that treats each token apart as a whole (a router and its experts)
+            sliced.update(id(t) for t in whole_call.outputs)
+            inside_until = whole_call.end
+            held = model.get_submodule(whole_call.name).named_modules(prefix=whole_call.name)
+            modules += [
+                n for n, m in held if n not in modules and any(True for _ in m.parameters(False))
+            ]
+            continue
         sliced.update(id(t) for t in rec.outputs)
         if any(isinstance(t, nn.Parameter) for t in rec.inputs) and owner not in modules:
             modules.append(owner)
@@ -546,17 +761,97 @@ def _with_sequence(plan: TensorPlan, recorded: RecordedForward, model: nn.Module
         if c.name in {e.module for e in plan.embeddings}
         for t in c.outputs
     }
-    return TensorPlan(
-        plan.size,
-        plan.regions,
-        plan.embeddings,
-        plan.heads,
-        True,
-        split_at,
-        tuple(modules),
-        plan.replicated,
-        plan.source,
-        split_at_embedding=id(entry) in embedded,
+    # the embedding can give the slices only if nothing but the first block reads its
+    # output (Hugging Face models read its sequence length for positions and the mask)
+    read_before = any(
+        any(t is entry for t in rec.inputs) for rec in recorded.ops[: split_call.start]
+    )
+    return replace(
+        plan,
+        sequence_parallel=True,
+        split_at=split_at,
+        sequence_modules=tuple(modules),
+        split_at_embedding=id(entry) in embedded and not read_before,
+    )
+
+
+def _token_wise_call(
+    index: int,
+    recorded: RecordedForward,
+    sliced: set[int],
+    boundaries: set[str],
+    model: nn.Module,
+    size: int,
+) -> ModuleCall | None:
+    """The innermost module call around op ``index`` that treats each token apart as a
+    whole: fed sequence slices, and run again on each slice (no gradients, state kept)
+    it gives that slice of its recorded output. None: no such call."""
+    around = [c for c in recorded.calls if c.start <= index < c.end and c.name]
+    for call in reversed(around):
+        inner = [c for c in recorded.calls if call.start <= c.start < call.end]
+        if any(c.name in boundaries for c in inner):
+            return None  # holds a split region: not a token-wise whole
+        if any(id(t) in sliced for t in call.args.values()) and _slices_agree(
+            call, sliced, model, size
+        ):
+            return call
+    return None
+
+
+def _slices_agree(call: ModuleCall, sliced: set[int], model: nn.Module, size: int) -> bool:
+    out = call.outputs[0] if call.outputs else None
+    if out is None or out.is_meta or out.dim() < 2 or out.shape[1] % size:
+        return False
+    module = model.get_submodule(call.name)
+    for index in range(size):
+
+        def cut(value: Any, index: int = index) -> Any:
+            if not isinstance(value, torch.Tensor) or id(value) not in sliced:
+                return value
+            width = value.shape[1] // size
+            return value.narrow(1, index * width, width).contiguous()  # as a slice arrives
+
+        try:
+            with preserved(model), torch.no_grad():
+                got = module(
+                    *pytree.tree_map(cut, call.raw_args), **pytree.tree_map(cut, call.raw_kwargs)
+                )
+        except Exception:  # it does not run on a slice
+            return False
+        leaves = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+        width = out.shape[1] // size
+        want = out.narrow(1, index * width, width)
+        if not leaves or leaves[0].shape != want.shape:
+            return False
+        if not torch.allclose(leaves[0], want, rtol=1e-5, atol=1e-6):
+            return False
+    return True
+
+
+def _across_tokens(name: str, where: str, plan: TensorPlan) -> str:
+    """The error for op ``name`` in module ``where`` working across the sequence slices:
+    naming, when a replicated region holds it, the op that kept that region whole."""
+    parts = where.split(".")
+
+    def shared(linear: str) -> int:
+        depth = 0
+        for a, b in zip(parts, linear.split("."), strict=False):
+            if a != b:
+                break
+            depth += 1
+        return depth
+
+    nearest = max(plan.replicated, key=lambda item: shared(item[0]), default=None)
+    if nearest is None or shared(nearest[0]) == 0:
+        return (
+            f"sequence parallelism: {name} in {where} works across tokens on the sequence "
+            "slices; pass sequence_parallel=False"
+        )
+    linear, why = nearest
+    return (
+        f"sequence parallelism: {linear} stays replicated ({why}), so {name} in {where} "
+        "would work across tokens on the sequence slices; make that op act within a "
+        "head (or a feature slice), or pass sequence_parallel=False"
     )
 
 
@@ -595,17 +890,6 @@ _TOKEN_WISE_ALONG = {
 }
 
 
-def _block_of(module: str, model: nn.Module) -> str:
-    """The block (an element of a ModuleList or Sequential) that holds ``module``."""
-    parts = module.split(".")
-    for depth in range(1, len(parts)):
-        parent = model.get_submodule(".".join(parts[: depth - 1])) if depth > 1 else model
-        child = getattr(parent, parts[depth - 1])
-        if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            return ".".join(parts[: depth + 1])
-    return module
-
-
 def _weight_owners(model: nn.Module) -> set[tuple[str, int]]:
     return {
         (name, id(module.weight))
@@ -634,6 +918,20 @@ def _new_dim(old: tuple[int, ...], new: tuple[int, ...], pos: int) -> int | None
         if running > before:
             return None
     return None
+
+
+def _shape_args(rec: OpRecord) -> tuple[int, ...] | None:
+    """The sizes a view/reshape was called with, if all are ints."""
+    given = rec.kwargs.get("shape", rec.kwargs.get("size"))
+    if given is None:
+        given = rec.args[1] if len(rec.args) == 2 else rec.args[1:]
+    if isinstance(given, int):
+        given = (given,)
+    if not isinstance(given, (tuple, list, torch.Size)) or not all(
+        isinstance(v, int) for v in given
+    ):
+        return None
+    return tuple(int(v) for v in given)
 
 
 def _permutation(rec: OpRecord, rank: int, name: str) -> list[int]:

@@ -22,13 +22,21 @@ ROW_REDUCES: tuple[str, ...] = ("sum", "scatter")
 
 @dataclass(frozen=True)
 class Column:
-    """A column-parallel linear: its output features split ``chunks`` ways first (a fused
-    q/k/v projection: 3, each chunk split across ranks), ``heads`` the heads its output
-    is viewed as (0: none seen)."""
+    """A column-parallel linear: its output features cut into parts first (a fused q/k/v
+    projection: 3 parts, each split across ranks): ``chunks`` equal ones, or ``sections``
+    of these sizes (grouped-query attention's q, k, v); ``heads`` the most heads a part
+    of its output is viewed as (0: none seen)."""
 
     linear: str
     chunks: int = 1
     heads: int = 0
+    sections: tuple[int, ...] = ()
+
+    def parts(self, features: int) -> tuple[int, ...]:
+        """The sizes of the parts ``features`` output features are cut into."""
+        if self.sections:
+            return self.sections
+        return (features // self.chunks,) * self.chunks
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,25 @@ class Region:
     #: Whether ``module`` holds only this region's linears (a module of its own, as an
     #: attention or MLP module is; not a block that holds other layers too).
     owned: bool = True
+    #: How many positional arguments ``module`` is called with (``entry`` among them).
+    positional: int = 1
 
     def linears(self) -> tuple[str, ...]:
         """Every linear of the region, columns first."""
         return (*(c.linear for c in self.columns), *(r.linear for r in self.rows))
+
+
+@dataclass(frozen=True)
+class WrittenSize:
+    """A size of a split dim the model's code writes whole (``split([q, kv, kv])``,
+    ``view(b, s, self.heads, d)``): in ``module``, op ``op`` called with ``sizes``, the
+    entry at ``position`` (-1: every entry, for a split) is divided by the tp size when
+    it runs on this rank's slice."""
+
+    module: str
+    op: str
+    sizes: tuple[int, ...]
+    position: int = -1
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,14 @@ class TensorPlan:
     #: Whether ``split_at``'s input is an embedding's output itself (nothing added to it
     #: between, such as learned positions): the embedding can then give the slices.
     split_at_embedding: bool = False
+    #: Modules whose parameters meet activations split inside a region (per-head q/k
+    #: norms), with the dim of their input that is split (the heads'): whole on every
+    #: rank, their gradients summed over the group.
+    shared_modules: tuple[tuple[str, int], ...] = ()
+    #: Sizes of split dims the model's code writes whole, scaled to the slice.
+    written_sizes: tuple[WrittenSize, ...] = ()
+    #: How a given plan differs from the one derived from the same forward.
+    differences: tuple[str, ...] = ()
 
     def columns(self) -> dict[str, Column]:
         """Linear name -> its column split."""
@@ -110,7 +141,8 @@ class TensorPlan:
         for region in self.regions:
             cols = ", ".join(
                 c.linear
-                + (f" (x{c.chunks} chunks)" if c.chunks > 1 else "")
+                + (f" (x{c.chunks} chunks)" if c.chunks > 1 and not c.sections else "")
+                + (f" (sections {'+'.join(map(str, c.sections))})" if c.sections else "")
                 + (f" [{c.heads} heads]" if c.heads else "")
                 for c in region.columns
             )
@@ -122,6 +154,19 @@ class TensorPlan:
             out.append(f"sequence split from {self.split_at} on dim {self.seq_dim}")
             if self.sequence_modules:
                 out.append(f"on sequence slices: {', '.join(self.sequence_modules)}")
+        if self.shared_modules:
+            shared = ", ".join(
+                f"{name} (input split on dim {dim})" for name, dim in self.shared_modules
+            )
+            out.append(f"whole, gradients summed: {shared}")
+        for written in self.written_sizes:
+            what = "its sizes" if written.position < 0 else f"size {written.position}"
+            out.append(
+                f"written sizes: {written.op}{list(written.sizes)} in {written.module}: "
+                f"{what} divided by {self.size}"
+            )
         for name, why in self.replicated:
             out.append(f"replicated {name}: {why}")
+        for difference in self.differences:
+            out.append(f"differs from the derived plan: {difference}")
         return tuple(out)

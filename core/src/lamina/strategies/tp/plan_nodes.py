@@ -6,7 +6,8 @@ row-parallel linears and vocabulary-parallel embeddings (reduce-scatters with se
 parallelism, and all-gathers into each region), the heads' logit all-gathers; backward
 all-reduces of the gradients into column-parallel linears (all-gathers out of the
 sequence-parallel regions and at the first block's sequence split) and of the
-parameters on sequence slices (the row-parallel biases added there included). The
+parameters on sequence slices (the row-parallel biases added there included) or met whole
+by split activations (per-head norms). The
 node ids are the functions below (:func:`forward_node`, ...): the layers issue their
 collectives under the same ids (:mod:`.apply`), so the run log counts them by node.
 """
@@ -59,7 +60,8 @@ def split_node(block: str) -> str:
 
 
 def params_node(module: str) -> str:
-    """The gradients of ``module``'s parameters, on sequence slices, summed."""
+    """The gradients of ``module``'s parameters summed: on sequence slices, or whole and
+    met by activations split inside a region (per-head norms)."""
     return f"tp.{module}.params"
 
 
@@ -222,7 +224,9 @@ def build_tensor_plan(
             head.module,
             "input gradients summed",
         )
-    for name in plan.sequence_modules:
+    summed = [(n, "on sequence slices") for n in plan.sequence_modules]
+    summed += [(n, "met by split activations") for n, _ in plan.shared_modules]
+    for name, why in summed:
         params = [p for p in model.get_submodule(name).parameters(recurse=False) if p.requires_grad]
         numel = sum(p.numel() for p in params)
         if numel:
@@ -234,7 +238,7 @@ def build_tensor_plan(
                 (numel,),
                 dtypes.pop() if len(dtypes) == 1 else "float32",
                 name,
-                "gradients of parameters on sequence slices summed",
+                f"gradients of parameters {why} summed",
             )
     nodes.append(
         PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)", Compute())

@@ -7,7 +7,7 @@ is split on, and as its sharded strategy places it on the other axes. So
 ``torch.distributed.checkpoint`` saves and loads it across layouts (tp=2 x fsdp=2 into
 tp=1 x fsdp=4, a full state dict) and ``set_model_state_dict`` loads a full one. The
 local tensors are the parameters' own (in-place loads write into them); a fused
-projection split chunk by chunk has no ``DTensor`` form: it is gathered whole into the
+projection split block by block has no ``DTensor`` form: it is gathered whole into the
 state dict (collective: every rank calls ``state_dict()``, as checkpointing does) and
 its slice cut back out on load.
 
@@ -35,11 +35,17 @@ from lamina.strategies.tp.apply import shard_columns, shard_rows
 @dataclass(frozen=True)
 class ParamSplit:
     """How one parameter is split across the tp axis: on ``dim`` (0: rows, -1: the last
-    dim), rows ``chunks`` blocks at a time, from a whole tensor of ``full_shape``."""
+    dim), rows block by block (``parts``: the blocks' whole sizes; one block for a plain
+    split, q, k and v for a fused projection), from a whole tensor of ``full_shape``."""
 
     dim: int
-    chunks: int
+    parts: tuple[int, ...]
     full_shape: tuple[int, ...]
+
+    @property
+    def fused(self) -> bool:
+        """Whether rows are split block by block (no ``DTensor`` form)."""
+        return self.dim == 0 and len(self.parts) > 1
 
 
 def _own_slice(mesh: TorchDeviceMesh, dims: tuple[str, ...]) -> TorchDeviceMesh:
@@ -112,7 +118,7 @@ class GlobalViews:
         split = self.splits.get(name)
         if split is None:
             return value
-        if split.chunks > 1:
+        if split.fused:
             whole = self._gather_whole(value, split)
             mesh, placements = self._mesh(value, 0, replicate=True)
             return DTensor.from_local(
@@ -151,9 +157,10 @@ class GlobalViews:
         local = local.detach().contiguous()
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
         dist.all_gather(parts, local, group=self.tp.group)
-        rows = local.shape[0] // split.chunks
-        blocks = [p.reshape(split.chunks, rows, *p.shape[1:]) for p in parts]
-        return torch.cat(blocks, dim=1).reshape(split.full_shape)
+        local_sizes = [size // self.tp.size for size in split.parts]
+        pieces = [torch.split(p, local_sizes, dim=0) for p in parts]  # rank -> its blocks
+        blocks = [torch.cat([mine[b] for mine in pieces]) for b in range(len(split.parts))]
+        return torch.cat(blocks).reshape(split.full_shape)
 
     # loading
     def to_local(self, name: str, value: Any, target: torch.Tensor) -> Any:
@@ -165,7 +172,7 @@ class GlobalViews:
         if split is None or not isinstance(value, torch.Tensor):
             return value
         if isinstance(value, DTensor):
-            ours = self.to_global(name, target) if split.chunks == 1 else None
+            ours = None if split.fused else self.to_global(name, target)
             if isinstance(ours, DTensor) and _same_layout(value, ours):
                 return self._as_target(value._local_tensor, target)
             value = value.full_tensor()
@@ -173,7 +180,7 @@ class GlobalViews:
             return value  # torch's load_state_dict names the shape mismatch
         whole = value.detach()
         if split.dim == 0:
-            piece = shard_rows(whole, self.tp, split.chunks)
+            piece = shard_rows(whole, self.tp, split.parts)
         else:
             piece = shard_columns(whole, self.tp)
         if not isinstance(target, DTensor):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -42,8 +42,11 @@ def torch_styles(plan: TensorPlan) -> dict[str, ParallelStyle]:
                 desired_input_kwarg_layouts={region.entry: Replicate()},
             )
         elif sp and region.owned:
+            given: list[Placement | None] = [None] * region.positional
+            wanted: list[Placement | None] = [None] * region.positional
+            given[int(region.entry)], wanted[int(region.entry)] = between, Replicate()
             styles[region.module] = PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),)
+                input_layouts=tuple(given), desired_input_layouts=tuple(wanted)
             )
         for column in region.columns:
             styles[column.linear] = (
@@ -54,6 +57,8 @@ def torch_styles(plan: TensorPlan) -> dict[str, ParallelStyle]:
             styles[row.linear] = RowwiseParallel(output_layouts=out)
     for name in plan.sequence_modules:
         styles[name] = SequenceParallel()
+    for name, dim in plan.shared_modules:  # whole weights on inputs split by heads
+        styles[name] = SequenceParallel(sequence_dim=dim, use_local_output=True)
     for head in plan.heads:
         styles[head.module] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     return styles

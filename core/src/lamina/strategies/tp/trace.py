@@ -47,6 +47,9 @@ class ModuleCall:
     #: Index of the first op inside the call and of the first op after it.
     start: int = 0
     end: int = 0
+    #: The call's own arguments, tensors and others (to run it again on a slice).
+    raw_args: tuple[Any, ...] = ()
+    raw_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,7 +126,7 @@ def _enter(
             i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
         }
         tensors.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
-        call = ModuleCall(name, tensors, start=len(ops))
+        call = ModuleCall(name, tensors, start=len(ops), raw_args=args, raw_kwargs=dict(kwargs))
         calls.append(call)
         open_calls.append(call)
         stack.append(name)

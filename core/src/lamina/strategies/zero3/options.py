@@ -18,11 +18,13 @@ from lamina.strategies.zero3.unit_codec import sharded_codec
 class Zero3Options(StrategyOptions):
     """Sharded data-parallel options, validated on construction.
 
-    Units come from the module structure: one per block of the first ModuleList or
-    Sequential, blocks smaller than ``min_unit_numel`` elements merged, the rest the root
-    unit. ``param_dtype`` (e.g. ``torch.bfloat16``) turns on mixed precision: shards and
-    the optimizer stay in their dtype (fp32 master weights), units are gathered and
-    computed in ``param_dtype``, gradients reduced in the shard's dtype.
+    Units come from the module structure: one per block of the first block container
+    (an ``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict`` or custom container of
+    blocks, :func:`lamina.graph.blocks.unit_blocks`), blocks smaller than
+    ``min_unit_numel`` elements merged, the rest the root unit. ``param_dtype`` (e.g.
+    ``torch.bfloat16``) turns on mixed precision: shards and the optimizer stay in their
+    dtype (fp32 master weights), units are gathered and computed in ``param_dtype``,
+    gradients reduced in the shard's dtype.
     ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
     backward (with True, only the last unit and the whole-forward ones are). ``collectives``
     picks the gather / reduce-scatter primitives: ``"native"``, ``"all_reduce"`` (their

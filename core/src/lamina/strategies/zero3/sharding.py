@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from lamina.graph.blocks import unit_blocks
 from lamina.memory import ShardLayout, build_layout, group_units
 from lamina.memory.whole_step import WholeStepGather
 from lamina.runtime import ExecutionPlan
@@ -169,7 +170,9 @@ def _layout(module: nn.Module, world: int, options: Zero3Options) -> ShardLayout
         module,
         world,
         alignment_bytes=options.alignment_bytes,
-        units=group_units(module, min_unit_numel=options.min_unit_numel),
+        units=group_units(
+            module, min_unit_numel=options.min_unit_numel, blocks=unit_blocks(module)
+        ),
     )
 
 
