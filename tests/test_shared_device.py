@@ -49,11 +49,15 @@ def _beside_ddp(strategy: str, runtime: lamina.Runtime) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     theirs = ddp.module.state_dict()
-    state = (ours.module if strategy == "dp" else ours).state_dict()
-    diffs = []
-    for name, value in state.items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        diffs.append(float((full - theirs[name]).abs().max()))
+    if strategy == "zero3":
+        # gathered by lamina's own collectives: DTensor.full_tensor() goes through torch's
+        # functional all-gather, which gloo runs on device memory as if it were the host's
+        # (a segfault on cuda; torch PR 132709)
+        with ours.full_parameters():  # type: ignore[operator]
+            state = {k: v.detach().clone() for k, v in ours.state_dict().items()}
+    else:
+        state = ours.module.state_dict()  # type: ignore[union-attr]
+    diffs = [float((value - theirs[name]).abs().max()) for name, value in state.items()]
     trained = [*ours.parameters(), *ddp.parameters(), *inputs]
     return {
         "diff": max(diffs),

@@ -33,6 +33,8 @@ from models_for_tests import full_params
 from modern_models import VOCAB, fused_llama, qwen3, qwen3_moe
 
 BATCH, SEQ = 2, 16
+#: Below every step's gradient norm of these models, so clipping scales every step.
+MAX_NORM = 0.05
 
 
 def _ids(seed: int) -> torch.Tensor:
@@ -243,7 +245,7 @@ def _train_once(runtime: Any, name: str, sp: bool, optimizer: str) -> dict[str, 
         return torch.optim.AdamW(params, lr=1e-3)
 
     opt_ref, opt_ours = make(reference.parameters()), make(ours.parameters())
-    loss_errors = []
+    loss_errors, norm_errors = [], []
     for step in range(5):
         batch = range(step * replicas, (step + 1) * replicas)
         parts = [_lm_loss(_logits(reference, xs[k]), ys[k]) for k in batch]
@@ -251,6 +253,12 @@ def _train_once(runtime: Any, name: str, sp: bool, optimizer: str) -> dict[str, 
         k = step * replicas + replica
         loss = _lm_loss(_logits(ours, xs[k]), ys[k])
         loss.backward()
+        # clipped below every step's norm: the whole model's norm as one process has it
+        # (q/k norm weights whole on each tp rank, counted once)
+        want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        norm = ours.clip_grad_norm_(MAX_NORM)  # type: ignore[operator]
+        assert want_norm.item() > MAX_NORM, "the bound must clip"
+        norm_errors.append(abs(norm.item() - want_norm.item()) / want_norm.item())
         for opt in (opt_ref, opt_ours):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -275,6 +283,7 @@ def _train_once(runtime: Any, name: str, sp: bool, optimizer: str) -> dict[str, 
     }
     return {
         "loss": max(loss_errors),
+        "norm": max(norm_errors),
         "params": diff,
         "columns": sorted(state.plan.columns()),
         "attention": attention,
@@ -323,6 +332,7 @@ def test_tp_by_zero3_on_todays_models_trains_as_one_process_with_attention_split
         got = results[f"{name}/{sp}/{optimizer}"]
         assert got["loss"] <= 1e-6, (rank, got)
         assert got["params"] <= 1e-5, (rank, got)
+        assert got["norm"] <= 1e-6, (rank, got)
         assert got["strategy"] == "tp+zero3"
         assert set(got["attention"]) <= set(got["columns"]), (rank, got)
         for linear, (local, whole) in got["held"].items():

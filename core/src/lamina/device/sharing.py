@@ -8,7 +8,10 @@ testing aid, never a training mode: several ranks then share the host's devices
 (``local_rank % count``) and their collectives run on gloo, which moves device tensors
 through the host, so that multi-rank paths (streams, events, overlap, prefetch, trace
 completion) run on a machine with one GPU. What gloo cannot do with device tensors
-fails as gloo says.
+fails as gloo says, except torch's functional collectives (``DTensor.full_tensor`` /
+``redistribute``, DCP of sharded tensors), whose coalesced all-gather gloo runs on device
+memory as if it were the host's: a segfault (measured on an H200 with torch 2.11), so
+this mode is not for them.
 """
 
 from __future__ import annotations
