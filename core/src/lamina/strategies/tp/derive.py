@@ -4,16 +4,26 @@ Every activation is followed op by op (:mod:`.trace`) with the dimension it woul
 split on. A linear fed a replicated activation starts a region (column-parallel: its
 output features split); ops that keep the split dimension apart (elementwise, views that
 split features into heads, transposes, attention, matmuls over heads) carry it on; a
-linear fed the split features ends the region (row-parallel). A region reached by an op
-that would mix the split dimension (a norm over it, a reduction) stays replicated, with
-the op named. A region that reaches the model's output is a vocabulary-parallel head; an
+linear fed the split features ends the region (row-parallel). Each op is asked which
+dimension it mixes (a norm its last dims, ``view_as_complex`` the pair it makes complex,
+``repeat_interleave`` none within a slice); an op without a rule is run again on each
+slice of its split inputs and kept where every slice gives that slice of its output. So
+head-local ops (complex or cos/sin rotary, per-head q/k norms, per-head scaling) split
+with the heads; the whole parameters they apply are listed, their gradients summed over
+the group, and sizes of the split dim the code writes whole (``split([q, kv, kv])``) are
+listed to be scaled to the slice. A region reached by an op that would mix the split
+dimension (a norm over it, a reduction) stays replicated, with the op and its module
+named. A region that reaches the model's output is a vocabulary-parallel head; an
 embedding whose vocabulary ``tp`` divides is vocabulary-parallel. A view that splits a
 column's output into a head count ``tp`` does not divide is a one-line ConfigError,
 raised here, before any collective.
 
 With sequence parallelism, the activations between regions are followed as sequence
-slices from the first block that holds a region: only token-wise ops may touch them, and
-the modules whose parameters they meet (norms) have their gradients summed.
+slices from the first block that holds a region (in any container of blocks): only
+token-wise ops may touch them, or a module that, run on each slice, gives that slice of
+its output (a router and its experts); the modules whose parameters they meet (norms)
+have their gradients summed. A replicated region met there is a one-line error naming the
+op that kept it replicated.
 """
 
 from __future__ import annotations
