@@ -40,9 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import lamina
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
-from lamina.checkpoint import seed_all
-from lamina.data import EpochSampler
-from lamina.errors import ConfigError
+from lamina import ConfigError, EpochSampler, seed_all
 
 #: The modules LoRA adapts (the attention's query and value projections).
 LORA_TARGETS = ("q_proj", "v_proj")

@@ -7,14 +7,14 @@ runs on every lamina backend (cpu, cuda, xla, npu) with no edits:
     lamina run --nproc-per-node 8 --backend cuda examples/train_gpt.py --d-model 512
 
 The training text is cut into windows of ``--seq-len`` tokens; each epoch shuffles them
-(``lamina.data.EpochSampler``, seed ``--seed``) and every step each rank takes its
+(``lamina.EpochSampler``, seed ``--seed``) and every step each rank takes its
 slice of the next global batch; ``lamina.distribute`` averages the gradients. A resumed
 job carries on from the saved position in the epoch, on any number of ranks, so no
 window is repeated or skipped. Rank 0 says where each attempt starts (fresh, or resumed
 from which step directory, and how many steps are left), shows a progress bar, periodic
 train/validation losses (averaged over all ranks) and a final summary line with the
 number of steps this attempt ran. ``--seed`` seeds every random stream a checkpoint
-records (``lamina.checkpoint.seed_all``), so two runs with one seed save the same bits.
+records (``lamina.seed_all``), so two runs with one seed save the same bits.
 """
 
 from __future__ import annotations
@@ -36,11 +36,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
-from lamina.checkpoint import CheckpointManager, seed_all
-from lamina.comm.codecs import Fp8Codec
-from lamina.data import EpochSampler
-from lamina.errors import ConfigError
-from lamina.strategies.codec_registry import codecs
+from lamina import CheckpointManager, ConfigError, EpochSampler, Fp8Codec, codecs, seed_all
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

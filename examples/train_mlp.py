@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
-from lamina.errors import ConfigError
+from lamina import ConfigError
 
 
 def mlp(width: int, depth: int, d_in: int, d_out: int) -> nn.Sequential:

@@ -73,8 +73,10 @@ RANKS: dict[str, int] = {
     "api": 6,
     # 7: the public API, lamina/__init__.py
     "__init__": 7,
-    # 8: tools that run on the public API (the collective benchmarks)
+    # 8: what runs on the public API: the collective benchmarks, and lamina inside the
+    # training frameworks (the Lightning strategy, the Hugging Face Trainer path)
     "bench": 8,
+    "integrations": 8,
     # 9: the top: the command line and the test harness with the conformance kit
     "cli": 9,
     "testing": 9,
