@@ -2,9 +2,9 @@
 
 Each backend session gets its own torch build, because one torch build carries one
 accelerator (torch_npu refuses a CUDA build, torch_xla needs its own torch release).
-Sessions: lint (ruff), typecheck (mypy), tests(<backend>), train (the README's main job:
-the GPT example on 2 ranks), finetune (the LoRA example under dp, zero3 and hsdp), smoke
-(a 2-rank all-reduce).
+Sessions: lint (ruff), typecheck (mypy), tests(<backend>), docs (the documentation site,
+built in strict mode), train (the README's main job: the GPT example on 2 ranks), finetune
+(the LoRA example under dp, zero3 and hsdp), smoke (a 2-rank all-reduce).
 
 Which core tests (``tests/``) each backend session runs, by marker (declared in
 pyproject.toml, set per module with ``pytestmark``): ``portable`` marks what depends on
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "docs"]
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 #: uv creates the environments and installs into them when it is installed (`pip install
@@ -284,3 +284,19 @@ def smoke(session: nox.Session) -> None:
         *session.posargs,
         env=WRITE_BYTECODE,
     )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml), built in strict mode: a broken link, a missing
+    reference, a page outside the nav or a docstring the API reference cannot render fails.
+
+    Installs lamina-core's ``docs`` extra (core/pyproject.toml, where its pins live) and
+    ruff, which mkdocstrings formats the signatures with; nothing else: the API reference
+    reads core/src statically (griffe), so neither torch nor lamina is installed. The site
+    goes to a temporary folder of the session.
+    """
+    extras = nox.project.load_toml("core/pyproject.toml")["project"]["optional-dependencies"]
+    session.install(*extras["docs"], TOOLS[0])
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})

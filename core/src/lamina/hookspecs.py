@@ -83,7 +83,7 @@ def lamina_register_strategies() -> list[Strategy]:
 
     Called once, the first time a strategy is looked up (``lamina.distribute``). Each
     item must be a :class:`lamina.strategies.contract.Strategy` with a name no other
-    strategy has (dp, zero3 and hsdp are built in); ``lamina.distribute(model, name,
+    strategy has (dp, zero3, hsdp, tp and pp are built in); ``lamina.distribute(model, name,
     **options)`` then validates ``options`` against its options dataclass, places it on
     the runtime's mesh and calls its ``wrap``. A plugin whose answer is not a list of
     strategies, or reuses a name, is recorded as failed and its strategies are ignored.
