@@ -10,8 +10,11 @@ import pytest
 from lamina.testing.harness import preload
 from requested_backend import usable_requested_backend
 
-# The fine-tuning tests' ranks build transformers models with peft adapters: imported once
-# in the forkserver instead of in each of their ~14 ranks (skipped where not installed).
+# The fine-tuning and Trainer tests' ranks build transformers models with peft adapters:
+# imported once in the forkserver instead of in each of their ranks (skipped where not
+# installed). Lightning is not: the forkserver grows by it and every rank forked from it
+# started slower (test_tensor_parallel.py alone: 55-67 s with it, 50-56 s without), for
+# the 6 ranks that need it.
 preload("transformers", "peft")
 
 
@@ -43,7 +46,9 @@ def device_backend() -> str:
 
 #: The slowest modules, slowest first (seconds of one module's tests alone on 2 cores:
 #: compiled_step 334, emulate 255, checkpoint 149, tensor_parallel 117, pipeline 100,
-#: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-04).
+#: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-04; in the whole suite
+#: on 2026-12-05: emulate 178, compiled_step 147, checkpoint 146, examples 102, cli_plan
+#: 92, gpu_suite 84, pipeline 84, tensor_parallel 51, the Trainer and Lightning tests ~30).
 #: pytest-xdist hands whole modules (``--dist loadfile``) to its workers in collection
 #: order (``--no-loadscope-reorder``, noxfile.py), so these start first and the short
 #: modules fill the gaps: a long module started last would end the session alone. The
@@ -53,17 +58,20 @@ SLOWEST_FIRST = (
     "test_emulate.py",
     "test_checkpoint.py",
     "test_compiled_step.py",
-    "test_tensor_parallel.py",
-    "test_pipeline.py",
-    "test_finetuning.py",
-    "test_checkpoint_cli.py",
     "test_examples.py",
     "test_cli_plan.py",
+    "test_gpu_suite.py",
+    "test_tensor_parallel.py",
+    "test_pipeline.py",
+    "test_hf_trainer.py",
+    "test_lightning.py",
+    "test_pipeline_models_today.py",
+    "test_finetuning.py",
+    "test_checkpoint_cli.py",
     "test_cli_run.py",
     "test_zero3_finetune.py",
     "test_plugin_new.py",
     "test_fp8_training.py",
-    "test_gpu_suite.py",
     "test_bench_collectives.py",
     "test_harness.py",
     "test_conformance_kit.py",
