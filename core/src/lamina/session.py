@@ -252,27 +252,56 @@ def current() -> Runtime | None:
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
-def _attempt_store(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> Store | None:
-    """Under torchrun (``env://``), the agent's store with a prefix per restart attempt.
+#: The store this process's groups rendezvous through (``env://``), kept for the process's
+#: life: the first group's (torch's ``env://`` store, or the one made under torchrun), so
+#: that rank 0 keeps serving it on ``MASTER_PORT`` after ``shutdown()``.
+_PROCESS_STORE: Store | None = None
+#: How many process groups :func:`init` has created in this process.
+_INITS = 0
 
-    torchrun keeps one store across restarts (``TORCHELASTIC_USE_AGENT_STORE``) and
-    ``env://`` adds no prefix, so a restarted gloo group reads the dead attempt's peer
-    addresses and fails to connect (measured with torch 2.13: every ``--max-restarts``
-    restart failed in ``connectFullMesh``). Keys under ``lamina/attempt-<n>/`` start
-    clean. None outside torchrun or for other init methods (``xla://``)."""
-    attempt = os.environ.get(RESTART_COUNT_ENV)
-    if attempt is None or backend.init_method != "env://":
+
+def _rendezvous_store(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> Store | None:
+    """The store for this :func:`init`'s group, under a prefix of its own, or None where
+    torch's own ``init_method`` is to make it (the first group outside torchrun, and other
+    init methods than ``env://``, such as ``xla://``).
+
+    torch's ``env://`` makes a store at each ``init_process_group``, rank 0 serving it on
+    ``MASTER_PORT``, with no prefix. So ``init()`` after ``shutdown()`` raced: a rank that
+    got there first reached rank 0's old server, not yet closed, read the first group's
+    keys and went on while rank 0 waited in its new store (measured: 1 re-init in 3 failed
+    or hung on 2 gloo ranks). Later groups therefore rendezvous on the first group's store
+    (:func:`_keep_store`) under ``lamina/attempt-<a>/init-<n>/``. Under torchrun a store is
+    made from the start: torchrun keeps its agent's store across restarts
+    (``TORCHELASTIC_USE_AGENT_STORE``), where a restarted gloo group read the dead
+    attempt's peer addresses (every ``--max-restarts`` restart failed in
+    ``connectFullMesh`` with torch 2.13); the attempt in the prefix starts it clean."""
+    global _PROCESS_STORE
+    if backend.init_method != "env://":
         return None
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    client = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        launch.world_size,
-        is_master=not agent and launch.rank == 0,
-        timeout=timeout,
-        multi_tenant=not agent,
-    )
-    return PrefixStore(f"lamina/attempt-{attempt}/", client)
+    attempt = os.environ.get(RESTART_COUNT_ENV)
+    if _PROCESS_STORE is None:
+        if attempt is None:
+            return None
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        _PROCESS_STORE = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            launch.world_size,
+            is_master=not agent and launch.rank == 0,
+            timeout=timeout,
+            multi_tenant=not agent,
+        )
+    return PrefixStore(f"lamina/attempt-{attempt or 0}/init-{_INITS}/", _PROCESS_STORE)
+
+
+def _keep_store(backend: Backend) -> None:
+    """Count the group just made, and keep the first ``env://`` group's store (the one
+    under torch's ``default_pg`` prefix) for the groups after it."""
+    global _PROCESS_STORE, _INITS
+    _INITS += 1
+    if _PROCESS_STORE is None and backend.init_method == "env://":
+        default = dist.distributed_c10d._get_default_store()
+        _PROCESS_STORE = getattr(default, "underlying_store", None)
 
 
 def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta) -> bool:
@@ -295,11 +324,11 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
                 f"{name} is not set for a {launch.world_size}-rank job; launch with torchrun "
                 "(or `lamina run`), which sets it"
             )
-    attempt_store = _attempt_store(backend, launch, timeout)
+    rendezvous = _rendezvous_store(backend, launch, timeout)
     dist.init_process_group(
         collective_backend(backend),
-        init_method=None if attempt_store is not None else backend.init_method,
-        store=attempt_store,
+        init_method=None if rendezvous is not None else backend.init_method,
+        store=rendezvous,
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,
@@ -312,6 +341,7 @@ def _init_process_group(backend: Backend, launch: LaunchEnv, timeout: timedelta)
             f"{placed[1]} but RANK={launch.rank}, WORLD_SIZE={launch.world_size}; launch so "
             "that they agree (torchrun --node-rank must follow the runtime's host order)"
         )
+    _keep_store(backend)
     return True
 
 
