@@ -145,6 +145,9 @@ class ModelPlacement:
         """The axes over which batches differ (in mesh order): a loop gives each data
         replica its own share of the data."""
         data = {a for r in self.roles if r.data for a in r.axes}
+        # a sharder spanning a split's axis (cp's) shards there, but the split's ranks
+        # see one batch between them
+        data -= {a for r in self.roles if r.role in ("split", "pipeline") for a in r.axes}
         return tuple(a for a, _ in self.mesh if a in data)
 
     def of(self, name: str) -> ParameterPlacement:

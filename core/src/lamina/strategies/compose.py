@@ -102,6 +102,12 @@ def distribute_composed(
     if pipelined and sharder is not None:  # one gather per step serves every microbatch
         options = {"reshard_after_forward": False, **options}
     settings = _route_options(chosen, options)
+    if sharder is not None:  # the sharder spans a sharing strategy's axes and syncs there
+        for strategy in chosen:
+            if strategy.shares_axes and "sync_gradients" in strategy.options.names():
+                settings[strategy.name] = replace(  # type: ignore[call-arg]
+                    settings[strategy.name], sync_gradients=False
+                )
     where = _placements(chosen, runtime.mesh, placement)
     held, plans, over = model, [], None
     for strategy in applied:
@@ -236,7 +242,10 @@ def _placements(
     }
     used = {a for p in where.values() for a in (*p.shard, *p.replicate)}
     rest = tuple(a for a in mesh.axis_names if a not in used)
-    if sharder is not None and not rest:
+    # axes a sharder spans along with the strategy there (cp's: parameters whole on it)
+    lent = {a for s in chosen if s.shares_axes and s.name in where for a in where[s.name].shard}
+    spanned = tuple(a for a in mesh.axis_names if a in (*rest, *lent))
+    if sharder is not None and not spanned:
         raise ConfigError(
             f"strategies {list(where)} take every mesh axis {list(mesh.axis_names)}; give "
             f"{sharder.name!r} an axis: lamina.init(mesh={{'fsdp': N, 'tp': M}})"
@@ -247,11 +256,12 @@ def _placements(
             where[pipeline.name] = Placement(shard=where[pipeline.name].shard, replicate=rest)
     elif sharder.name in given:
         where[sharder.name] = given[sharder.name]
-    elif sharder.name == "hsdp" and len(rest) > 1:
-        where[sharder.name] = Placement(shard=rest[-1:], replicate=rest[:-1])
+    elif sharder.name == "hsdp" and len(spanned) > 1:
+        where[sharder.name] = Placement(shard=spanned[-1:], replicate=spanned[:-1])
     else:
-        where[sharder.name] = Placement(shard=rest)
+        where[sharder.name] = Placement(shard=spanned)
     named = [a for p in where.values() for a in (*p.shard, *p.replicate)]
+    named = [a for i, a in enumerate(named) if a not in lent or a not in named[:i]]
     if sorted(named) != sorted(mesh.axis_names):
         described = {n: p.describe() for n, p in where.items()}
         raise ConfigError(

@@ -256,6 +256,9 @@ class Strategy(abc.ABC):
     #: Roles of strategies applied before it whose model it can hold (composed after
     #: them): a sharder holds a split or pipelined model; by default, none.
     holds_after: ClassVar[frozenset[str]] = frozenset()
+    #: Whether a sharder composed after it spans its axes too: it splits activations
+    #: only and leaves every parameter whole there (``cp``).
+    shares_axes: ClassVar[bool] = False
     #: How a loop runs one step of a model it distributed, eagerly (what a refusal to
     #: compile the step says to run instead).
     eager_step: ClassVar[str] = "loss.backward(); optimizer.step()"

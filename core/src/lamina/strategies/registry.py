@@ -16,7 +16,8 @@ from lamina.strategies.contract import Strategy
 
 
 def builtin_strategies() -> list[Strategy]:
-    """dp, zero3, hsdp, tp and pp (imported here, on first use, not when lamina is imported)."""
+    """dp, zero3, hsdp, tp, pp and cp (imported here, on first use, not when lamina is imported)."""
+    from lamina.strategies.cp import ContextParallelStrategy
     from lamina.strategies.dp import DataParallelStrategy
     from lamina.strategies.hsdp import HybridShardedStrategy
     from lamina.strategies.pp import PipelineStrategy
@@ -29,6 +30,7 @@ def builtin_strategies() -> list[Strategy]:
         HybridShardedStrategy(),
         TensorParallelStrategy(),
         PipelineStrategy(),
+        ContextParallelStrategy(),
     ]
 
 

@@ -57,7 +57,7 @@ class StepLog:
                 "engine (strategies/tp/apply.py)"
             )
         if backward:
-            self._backward_reached()
+            self.backward_reached()
         with self.run_log.collective(node_id, nbytes=nbytes):
             yield
 
@@ -67,7 +67,9 @@ class StepLog:
         self._in_backward = False
         self.run_log.begin_step()
 
-    def _backward_reached(self) -> None:
+    def backward_reached(self) -> None:
+        """A collective or transfer of the backward is about to run: the first one marks
+        the backward begun in the log, and autograd's end of it ends it there."""
         if self._in_backward:
             return
         self._in_backward = True

@@ -1,0 +1,141 @@
+"""Each attention call's algorithm, priced from the cp group's links and a timed block:
+:func:`choose_algorithms`.
+
+For a call of ``B`` sequences, ``H`` query and ``Hkv`` key/value heads of dim ``D``,
+``S`` local tokens on ``n`` ranks, one rank's keys and values are ``kv = 2 B Hkv S D``
+elements, and a message costs ``alpha + bytes * beta`` on the group's slowest link
+(:class:`~lamina.comm.cost.LinkCost`):
+
+- ``all_gather``: a ring all-gather forward and a ring reduce-scatter backward of the
+  keys and values, ``2 (n - 1)`` messages of ``kv``, none overlapped;
+- ``pass_kv``: ``n - 1`` forward steps, each message hidden behind the attention of the
+  block that arrived before (only what exceeds it is paid); backward the keys again
+  (hidden behind backward's attention, twice forward's) and ``n`` messages of their
+  gradients, not hidden;
+- ``all_to_all``: four all-to-alls (queries, keys and values in; the output out; and
+  their adjoints), each ``n - 1`` messages of ``1/n`` of a rank's share; only where ``H``
+  and ``Hkv`` divide by ``n``.
+
+A block's attention time is measured on the job (:func:`time_block`, the slowest rank's),
+so every rank prices alike and picks alike; the plan shows each price.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lamina.comm.cost import LinkCost
+from lamina.dtypes import dtype_from_name
+from lamina.strategies.cp.blocks import _kernel
+from lamina.strategies.cp.layout import SequenceLayout
+from lamina.strategies.cp.masks import FULL, Block
+from lamina.strategies.cp.plan_nodes import AttentionSite
+
+#: Ties go to the first: overlap first, then one collective.
+PREFERENCE = ("pass_kv", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One call's algorithm and every algorithm's predicted exposed seconds per step
+    (None: it cannot run the call, with why)."""
+
+    site: int
+    algorithm: str
+    seconds: dict[str, float | None]
+    why_not: dict[str, str]
+
+    def describe(self) -> str:
+        prices = ", ".join(
+            f"{a} {s * 1e3:.2f} ms" if s is not None else f"{a} -" for a, s in self.seconds.items()
+        )
+        return f"attention {self.site}: {self.algorithm} ({prices})"
+
+
+def ulysses_refusal(site: AttentionSite, n: int) -> str | None:
+    """Why all-to-all over heads cannot run ``site`` on ``n`` ranks (None: it can)."""
+    if site.heads % n or site.kv_heads % n:
+        return (
+            f"attention {site.index} has {site.heads} query and {site.kv_heads} key/value "
+            f"heads, which cp={n} does not divide"
+        )
+    if site.head_dim != site.value_dim:
+        return f"attention {site.index} has value dim {site.value_dim} != head dim {site.head_dim}"
+    return None
+
+
+def price(
+    site: AttentionSite, layout: SequenceLayout, link: LinkCost, block_s: float
+) -> dict[str, float | None]:
+    """Each algorithm's predicted exposed communication seconds per step for ``site``."""
+    n = layout.size
+    item = dtype_from_name(site.dtype).itemsize
+    local = layout.local_length
+    kv = 2 * site.batch * site.kv_heads * local * site.head_dim * item
+    per_pair = len(layout.local_chunks) ** 2 * (0.5 if site.causal else 1.0)
+    compute = block_s * per_pair
+    message = link.time(kv)
+    ring = 2 * (n - 1) * message
+    passed = (n - 1) * max(0.0, message - compute) + (n - 1) * max(0.0, message - 2 * compute)
+    passed += n * message
+    width = (site.heads + 2 * site.kv_heads) * site.batch * local * site.head_dim * item
+    out = site.heads * site.batch * local * site.head_dim * item
+    exchanged = 2 * (n - 1) * (link.time(width / n) + link.time(out / n))
+    seconds: dict[str, float | None] = {
+        "all_gather": ring,
+        "pass_kv": passed,
+        "all_to_all": exchanged,
+    }
+    if ulysses_refusal(site, n) is not None:
+        seconds["all_to_all"] = None
+    return seconds
+
+
+def choose_algorithms(
+    sites: tuple[AttentionSite, ...],
+    layout: SequenceLayout,
+    link: LinkCost,
+    block_s: float,
+    requested: str,
+) -> tuple[Priced, ...]:
+    """Each site's algorithm: ``requested``, or the cheapest (``auto``)."""
+    chosen = []
+    for site in sites:
+        seconds = price(site, layout, link, block_s)
+        why = {a: r for a in ("all_to_all",) if (r := ulysses_refusal(site, layout.size))}
+        if requested != "auto":
+            algorithm = requested
+        else:
+            algorithm = min(
+                (a for a in PREFERENCE if seconds[a] is not None),
+                key=lambda a: (seconds[a], PREFERENCE.index(a)),
+            )
+        chosen.append(Priced(site.index, algorithm, seconds, why))
+    return tuple(chosen)
+
+
+def time_block(
+    site: AttentionSite,
+    layout: SequenceLayout,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> float:
+    """Seconds of one block's attention at ``site``'s shape (forward, the median of 5),
+    the slowest rank's (collective over ``group``)."""
+    dtype = dtype_from_name(site.dtype)
+    shape = (site.batch, site.heads, layout.chunk, site.head_dim)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device) for _ in range(3))
+    block = Block(FULL)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        _kernel(q, k, v, block, None)
+        times.append(time.perf_counter() - start)
+    measured = torch.tensor([sorted(times[1:])[2]], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    return float(measured.item())
