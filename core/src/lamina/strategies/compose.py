@@ -127,7 +127,7 @@ def distribute_composed(
         )
         plans.append(held.execution_plan)
         over = held.__dict__.get(DISTRIBUTED_WITH)
-    splitter = next((s for s in chosen if s.role == "split"), None)
+    splitter = next((s for s in chosen if s.role == "split" and not s.shares_axes), None)
     if sharder is not None and splitter is not None:
         _attach_views(held, runtime.mesh, where[splitter.name].shard[0], where[sharder.name])
     earlier = tuple(plans[:-1])
@@ -165,12 +165,19 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
     A ConfigError in one line naming the fix otherwise."""
     names = [s.name for s in chosen]
     roles = [s.role for s in chosen]
-    repeated = sorted({r for r in roles if roles.count(r) > 1})
+    # a split that leaves every parameter whole (cp) shares the split role with one that
+    # cuts them (tp): they split different things (tokens, layers) on their own axes
+    counted = [s.role for s in chosen if not s.shares_axes]
+    repeated = sorted({r for r in roles if counted.count(r) > 1 or roles.count(r) > 2})
+    sharing = [s for s in chosen if s.shares_axes]
+    if len(sharing) > 1:
+        repeated = repeated or [sharing[0].role]
     if repeated:
         twice = [s.name for s in chosen if s.role == repeated[0]]
         raise ConfigError(
             f"strategies {names}: {twice} both {repeated[0]} the model; compose at most one "
-            "strategy of each role (pipeline, split, shard or replicate)"
+            "strategy of each role (pipeline, split, shard or replicate; cp, which keeps "
+            "parameters whole, may join a split that cuts them)"
         )
     named = sorted(chosen, key=lambda s: NAMING_ORDER.index(s.role))
     if [s.name for s in named] != names:
@@ -178,7 +185,9 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
             f"strategies {names} are named out of order; name the pipeline, then the split, "
             f"then the sharder: {[s.name for s in named]}"
         )
-    applied = sorted(chosen, key=lambda s: APPLY_ORDER.index(s.role))
+    # a sharing split after the split it shares with: tp's plan is derived from a whole
+    # forward, cp then probes the split model (its heads as each rank holds them)
+    applied = sorted(chosen, key=lambda s: (APPLY_ORDER.index(s.role), s.shares_axes))
     for at, strategy in enumerate(applied):
         earlier = [s for s in applied[:at] if s.role not in strategy.holds_after]
         if earlier:

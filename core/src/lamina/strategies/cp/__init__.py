@@ -47,6 +47,7 @@ from lamina.strategies.cp.options import ContextParallelOptions
 from lamina.strategies.cp.plan_nodes import build_context_plan
 from lamina.strategies.cp.probe import Probed, probe_forward
 from lamina.strategies.extension import extend_class
+from lamina.strategies.surface import PLACEMENT_KEY
 from lamina.strategies.tp import _on_device
 from lamina.strategies.tp.activation_ops import StepLog
 
@@ -79,6 +80,7 @@ class ContextParallelStrategy(Strategy):
 
     name = "cp"
     role = "split"
+    holds_after = frozenset({"split"})
     shares_axes = True
     summary = "context parallelism: the sequence split across the ranks of the cp axis"
     options = ContextParallelOptions
@@ -196,6 +198,7 @@ class ContextParallelStrategy(Strategy):
             str(dist.get_backend(group)),
             sync_label,
             meta,
+            broadcast=PLACEMENT_KEY not in model.__dict__,
         )
         lines = (
             f"sequence {layout.length} over cp={layout.size}, balanced={layout.balanced}",
@@ -203,11 +206,14 @@ class ContextParallelStrategy(Strategy):
             *(f"{s.describe()}" for s in probed.sites),
         )
         state = tuple(t for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+        # the whole model from rank 0, unless a strategy applied before (tp) already made
+        # the ranks agree and cut it: its pieces differ across its axis
+        held_before = PLACEMENT_KEY in model.__dict__
         return PlannedStep(
             model,
             plan,
             (("context_plan", lines),),
-            SetupBroadcast(state, 0, None),
+            None if held_before else SetupBroadcast(state, 0, None),
             ContextPlanned(
                 group, ranks, layout, probed, priced, options.seq_dim, transformers, sync
             ),
@@ -239,6 +245,7 @@ class ContextParallelStrategy(Strategy):
             lambda positions: extra(positions),
             sync,
         )
+        state.watch(model)
         return extend_class(model, ContextParallelModule, {}, "lamina_cp", state)
 
 

@@ -85,6 +85,33 @@ class ContextParallelism:
     #: Keyword arguments the forward adds (transformers models: position ids).
     extra: Callable[[torch.Tensor], dict[str, Any]] = field(default=lambda positions: {})
     sync: GradientSync | None = None
+    #: The module running an attention call now and its calls so far (set by the
+    #: forward pre-hooks :meth:`watch` puts on the sites' modules).
+    running: list[Any] = field(default_factory=lambda: ["", 0])
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks on each attention site's module that name it running, so a
+        call is found by its module (a pipeline stage runs some of the sites only)."""
+        for name in {s.module for s in self.sites if s.module}:
+
+            def running(_m: torch.nn.Module, _args: Any, name: str = name) -> None:
+                self.running[0], self.running[1] = name, 0
+
+            model.get_submodule(name).register_forward_pre_hook(running)
+
+    def locate(self, counted: int) -> int:
+        """The site of the attention call running now: by its module and the call in
+        it, else the ``counted``-th call of the forward."""
+        module, call = self.running
+        self.running[1] = call + 1
+        for site in self.sites:
+            if module and site.module == module and site.call == call:
+                return site.index
+        return counted
+
+
+#: Where a pipeline composed after cp keeps its state on the model.
+PIPELINED = "lamina_pp"
 
 
 class _ContextCalls(TorchFunctionMode):
@@ -130,7 +157,7 @@ class _ContextCalls(TorchFunctionMode):
     def _attention(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         call = attention_call(args, kwargs)
         state = self.state
-        index = self.site
+        index = state.locate(self.site)
         self.site += 1
         if (
             index >= len(state.sites)
@@ -212,7 +239,9 @@ class ContextParallelModule(DistributedModule):
         kwargs = cut_inputs(kwargs, layout.length, dim, lambda t: layout.shard(t, dim))
         for key, value in state.extra(layout.positions(first.device)).items():
             kwargs.setdefault(key, value)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and PIPELINED not in self.__dict__:
+            # a step per forward; under a pipeline, a forward per stage and microbatch:
+            # the log then keeps counting over the steps
             cp.log.begin_step()
         with _ContextCalls(state, documents):
             out = super().forward(*args, **kwargs)

@@ -42,6 +42,11 @@ class AttentionSite:
     value_dim: int
     dtype: str
     causal: bool
+    #: The innermost module running the call (``blocks.0.attn``), and which of its calls
+    #: it is in one run of that module: how the call is found again at run time, also in
+    #: a pipeline stage that runs some of the model's blocks only.
+    module: str = ""
+    call: int = 0
 
     def describe(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -138,12 +143,15 @@ def build_context_plan(
     backend: str,
     sync: tuple[tuple[int, ...], str] | None,
     meta: tuple[tuple[str, str], ...] = (),
+    broadcast: bool = True,
 ) -> ExecutionPlan:
     """The step's plan: ``sites`` run ``algorithms`` over this rank's cp ``group`` on
     ``axis``; ``sync`` the group and axis label the gradients are all-reduced over
-    (None: a sharder composed after cp syncs them)."""
+    (None: a sharder composed after cp syncs them); ``broadcast``: whether the setup
+    broadcasts the whole model from rank 0 (not after a strategy that cut it)."""
     state = dtype_totals([t for t in (*model.parameters(), *model.buffers()) if not t.is_meta])
-    nodes = broadcast_nodes("setup", state, tuple(range(world)), "world") if world > 1 else []
+    whole = broadcast and world > 1
+    nodes = broadcast_nodes("setup", state, tuple(range(world)), "world") if whole else []
     nodes += [
         PlanNode(FORWARD, "forward", "forward", "forward (context parallel)", Compute()),
         PlanNode(BACKWARD, "backward", "backward", "backward (autograd)", Compute()),

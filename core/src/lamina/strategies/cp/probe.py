@@ -2,7 +2,7 @@
 :func:`probe_forward`.
 
 The forward runs twice in this process, without gradients, on the example inputs cut to
-this rank's length and to one token fewer. Every ``arange`` and leading slice whose
+this rank's length and to half of it. Every ``arange`` and leading slice whose
 length follows the sequence in both runs builds positions (``torch.arange(seq)``, a
 rotary table cut as ``table[:seq]``): at run time it is given the global positions of
 this rank's tokens instead. Every attention call is read (heads, key/value heads, mask,
@@ -13,7 +13,8 @@ without attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +29,35 @@ from lamina.strategies.cp.plan_nodes import AttentionSite, OutputSite, dtype_of
 
 
 class _Recording(TorchFunctionMode):
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str]) -> None:
         super().__init__()
         self.ranges: list[Ranged] = []
         self.sites: list[AttentionSite] = []
         self.problems: list[str] = []
+        self.names = names
+        #: The modules running now (innermost last), each with its attention calls so far.
+        self.stack: list[list[Any]] = []
+
+    @contextmanager
+    def modules_tracked(self) -> Iterator[None]:
+        """Keep :attr:`stack` while the forward runs (global module hooks, removed after)."""
+
+        def enter(module: nn.Module, _args: Any) -> None:
+            self.stack.append([self.names.get(id(module), ""), 0])
+
+        def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+            if self.stack:
+                self.stack.pop()
+
+        handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(enter),
+            torch.nn.modules.module.register_module_forward_hook(leave, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def __torch_function__(
         self,
@@ -71,6 +96,10 @@ class _Recording(TorchFunctionMode):
                 "self-attention in (batch, heads, tokens, head dim) form"
             )
             return
+        module, call_in_module = "", 0
+        if self.stack:
+            module, call_in_module = self.stack[-1]
+            self.stack[-1][1] += 1
         self.sites.append(
             AttentionSite(
                 index=index,
@@ -81,6 +110,8 @@ class _Recording(TorchFunctionMode):
                 value_dim=v.shape[-1],
                 dtype=dtype_of(q),
                 causal=call.is_causal,
+                module=module,
+                call=call_in_module,
             )
         )
 
@@ -118,19 +149,22 @@ def probe_forward(
     dim: int,
     extra: Callable[[int], dict[str, Any]],
 ) -> Probed:
-    """Run the forward on the inputs cut to ``local`` and ``local - 1`` tokens (``extra``
+    """Run the forward on the inputs cut to ``local`` and ``local / 2`` tokens (``extra``
     adds keyword arguments for a length) and read it (see the module)."""
     runs = []
     outputs: tuple[OutputSite, ...] = ()
-    for size in (local, local - 1):
+    # half the length keeps every divisibility a composed strategy needs (tp's sequence
+    # parallelism cuts the sequence again); a length of 1 cannot tell positions apart
+    other = local // 2 if local % 2 == 0 and local >= 4 else local - 1
+    for size in (local, other):
 
         def keep(t: torch.Tensor, n: int = size) -> torch.Tensor:
             return t.narrow(dim, 0, n)
 
         cut_args = cut_inputs(args, length, dim, keep)
         cut_kwargs = cut_inputs(kwargs, length, dim, keep)
-        recording = _Recording()
-        with torch.no_grad(), recording:
+        recording = _Recording({id(m): n for n, m in model.named_modules()})
+        with torch.no_grad(), recording.modules_tracked(), recording:
             out = model(*cut_args, **{**cut_kwargs, **extra(size)})
         runs.append(recording)
         if size == local:
@@ -164,7 +198,7 @@ def probe_forward(
             continue
         k = ordinal.get(a.kind, 0)
         ordinal[a.kind] = k + 1
-        if b.length == local - 1:
+        if b.length == other:
             positional.add((a.kind, k))
     if not outputs:
         raise ConfigError(

@@ -833,7 +833,11 @@ def _slices_agree(call: ModuleCall, sliced: set[int], model: nn.Module, size: in
         want = out.narrow(1, index * width, width)
         if not leaves or leaves[0].shape != want.shape:
             return False
-        if not torch.allclose(leaves[0], want, rtol=1e-5, atol=1e-6):
+        # rounding scales with the output (weights drawn at std 1 give outputs of 1e3,
+        # whose sums cancel to small entries with 1e-4 of rounding); a module mixing
+        # tokens differs by the output's own size
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        if not torch.allclose(leaves[0], want, rtol=1e-5, atol=1e-6 * max(1.0, scale)):
             return False
     return True
 
