@@ -37,14 +37,18 @@ pytestmark = [pytest.mark.multiprocess]
 VOCAB, BATCH, SEQ, STEPS = 64, 2, 32, 5
 
 
-def _gpt() -> nn.Module:
+def _gpt_model() -> nn.Module:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from _gpt_model import GPT, GPTConfig
 
-    torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=2, n_heads=4))
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return _gpt_model()
 
 
 def _hf_llama() -> nn.Module:
@@ -267,13 +271,37 @@ def _refusals() -> dict[str, str]:
     return said
 
 
-def _job() -> dict[str, Any]:
+def _checkpoint(path: str, save: bool) -> dict[str, Any]:
+    """The GPT under ``["cp", "zero3"]``: trained 2 steps and saved through DCP, or a fresh
+    one loaded from that checkpoint (another cp degree: cp is not in the layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(3 if save else 4)  # other weights for the model that loads
+    model = lamina.distribute(_gpt_model(), ["cp", "zero3"], example_inputs=(x,))
+    if save:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            _lm(model(x), x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    else:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+    return {n: t.clone() for n, t in _whole(model).items()}
+
+
+def _job(path: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for mesh in MESHES:
         lamina.init(mesh=MESHES[mesh])
         for case in CASES:
             if case[0] == mesh:
                 results[_key(case)] = _train(*case[1:])
+        # saved under cp=2 x dp_shard=2, loaded under cp=4
+        results[f"checkpoint/{mesh}"] = _checkpoint(path, save=mesh == "cp2xdp2")
         if mesh == "cp4":
             results["refusals"] = _refusals()
         lamina.shutdown()
@@ -306,9 +334,10 @@ def _key(case: tuple[Any, ...]) -> str:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu")}
-    return run_ranks(_job, 4, env=env, timeout=600)
+    path = str(tmp_path_factory.mktemp("cp_checkpoint"))
+    return run_ranks(_job, 4, args=(path,), env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +420,11 @@ def test_what_cp_cannot_split_is_one_line_before_any_collective(
         assert "28 tokens does not split into 8 equal chunks" in said["sequence"]
         assert "pad the sequence to a multiple of 8" in said["sequence"]
         assert "passes attn_mask" in said["mask"] and "document_ids=" in said["mask"]
+
+
+def test_a_checkpoint_loads_across_cp_degrees(results: list[dict[str, Any]]) -> None:
+    for by_case in results:
+        saved, loaded = by_case["checkpoint/cp2xdp2"], by_case["checkpoint/cp4"]
+        assert saved.keys() == loaded.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(tensor, loaded[name]), name

@@ -10,6 +10,12 @@ from lamina.units import format_bytes
 
 #: The ``meta`` key of a plan's per-layer plan (tensor parallelism's splits), one line each.
 LAYER_PLAN = "layer_plan"
+#: Meta keys of a context-parallel plan the simulator reads: the cp axis, what cp measured
+#: (seconds: a whole attention block's forward and backward, this rank's local step) and
+#: the blocks it adds per step over all calls and computes per ring step of one call.
+CONTEXT_AXIS = "cp_axis"
+BLOCK_FORWARD, BLOCK_BACKWARD = "cp_block_forward_s", "cp_block_backward_s"
+LOCAL_STEP, EXTRA_BLOCKS, RING_BLOCKS = "cp_local_step_s", "cp_extra_blocks", "cp_ring_step_blocks"
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any
 from lamina.errors import ConfigError
 from lamina.runtime.nodes import Compute, Transfer
 from lamina.runtime.plan import ExecutionPlan, PlanNode
+from lamina.runtime.render import CONTEXT_AXIS
 from lamina.simulate.groups import Groups
 
 
@@ -90,8 +91,11 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
     stages = {n.id: n for n in plan.nodes if _stage_compute(n) is not None}
     if not stages:
         return None
-    sends = {n.id: n for n in plan.nodes if isinstance(n.detail, Transfer)}
     axis = pipeline_axis(plan)
+    # the pipeline's own transfers (a context-parallel ring's go along its own axis)
+    sends = {
+        n.id: n for n in plan.nodes if isinstance(n.detail, Transfer) and n.detail.axis == axis
+    }
     link_s = _link_seconds(groups, axis)
     preds: dict[str, list[str]] = defaultdict(list)
     for before, after in plan.edges:
@@ -161,8 +165,17 @@ WEIGHT_SPLIT = ("zbv",)
 
 
 def pipeline_axis(plan: ExecutionPlan) -> str:
-    """The mesh axis a pipelined plan's transfers run along (``pp`` when it has none)."""
-    return next((n.detail.axis for n in plan.nodes if isinstance(n.detail, Transfer)), "pp")
+    """The mesh axis a pipelined plan's transfers run along (``pp`` when it has none; a
+    context-parallel ring's axis, named in the plan's meta, is not it)."""
+    ring = dict(plan.meta).get(CONTEXT_AXIS)
+    return next(
+        (
+            n.detail.axis
+            for n in plan.nodes
+            if isinstance(n.detail, Transfer) and n.detail.axis != ring
+        ),
+        "pp",
+    )
 
 
 def _stage_compute(node: PlanNode) -> Compute | None:

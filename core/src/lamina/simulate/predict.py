@@ -28,6 +28,7 @@ from __future__ import annotations
 from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
+from lamina.simulate.context import predict_context
 from lamina.simulate.groups import Groups, check_axes
 from lamina.simulate.memory import ADAMW_BYTES_PER_PARAM, estimate_memory
 from lamina.simulate.pipeline import predict_pipeline
@@ -66,6 +67,7 @@ def predict(
         assumptions=assumptions(plan, cluster, optimizer_bytes_per_param, groups),
         groups=groups.described(),
         pipeline=predict_pipeline(plan, groups),
+        context=predict_context(plan, groups),
     )
 
 

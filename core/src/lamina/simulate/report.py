@@ -17,6 +17,7 @@ from typing import Any
 from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
+from lamina.simulate.context import ContextPrediction
 from lamina.simulate.groups import LINKS, Groups
 from lamina.simulate.memory import MemoryEstimate
 from lamina.simulate.pipeline import PipelinePrediction
@@ -45,13 +46,17 @@ class StepPrediction:
     groups: tuple[str, ...] = field(default=())
     #: A pipelined plan's simulated schedule (None for other plans).
     pipeline: PipelinePrediction | None = None
+    #: A context-parallel plan's compute and ring (None for other plans).
+    context: ContextPrediction | None = None
 
     @property
     def step_s(self) -> float:
         """Seconds of one step as predicted: a pipeline's schedule (compute, transfers,
-        bubble) then the per-step collectives; for other plans the collectives alone (their
-        compute is not modelled)."""
-        return (self.pipeline.schedule_s if self.pipeline else 0.0) + self.total_s
+        bubble) then the per-step collectives; a context-parallel step's measured compute
+        and its ring's exposed transfers, then the collectives; for other plans the
+        collectives alone (their compute is not modelled)."""
+        context = self.context.compute_s + self.context.ring_exposed_s if self.context else 0.0
+        return (self.pipeline.schedule_s if self.pipeline else 0.0) + context + self.total_s
 
     @property
     def total_s(self) -> float:
@@ -144,6 +149,13 @@ class StepPrediction:
                 f"step: {_ms(self.step_s)} ms (the schedule, then {_ms(self.total_s)} ms of "
                 "gradient collectives)",
             ]
+        if self.context is not None:
+            lines += [
+                "",
+                *self.context.lines(),
+                f"step: {_ms(self.step_s)} ms (compute and exposed ring, then "
+                f"{_ms(self.total_s)} ms of collectives)",
+            ]
         if self.once:
             total = sum(c.seconds for c in self.once)
             lines.append(
@@ -233,6 +245,7 @@ class StepPrediction:
             "collectives": [c.to_json() for c in self.per_step],
             "once": [c.to_json() for c in self.once],
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
+            "context": self.context.to_json() if self.context else None,
             "step_s": self.step_s,
             "memory": self.memory.to_json(),
             "assumptions": list(self.assumptions),

@@ -19,11 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from lamina.comm.cost import CostModel
+from lamina.comm.algorithms import AlgorithmGroups
+from lamina.comm.cost import AlgorithmChoice, CostModel
 from lamina.device.mesh import DeviceMesh
+from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.runtime.plan import meta_items
+from lamina.strategies.algorithm_choice import choose_algorithms, group_cost_model
+from lamina.strategies.algorithm_nodes import algorithm_fact
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
     Placement,
@@ -33,7 +38,8 @@ from lamina.strategies.contract import (
     Strategy,
     StrategyOptions,
 )
-from lamina.strategies.cp.choose import Priced, choose_algorithms, time_block, ulysses_refusal
+from lamina.strategies.cp.choose import Priced, Timed, measure_on_job, ulysses_refusal
+from lamina.strategies.cp.choose import choose_algorithms as choose_attention
 from lamina.strategies.cp.comm import ContextGroup
 from lamina.strategies.cp.hf import is_transformers_model, use_context_attention
 from lamina.strategies.cp.layout import SequenceLayout
@@ -44,8 +50,8 @@ from lamina.strategies.cp.module import (
     accepts,
 )
 from lamina.strategies.cp.options import ContextParallelOptions
-from lamina.strategies.cp.plan_nodes import build_context_plan
-from lamina.strategies.cp.probe import Probed, probe_forward
+from lamina.strategies.cp.plan_nodes import build_context_plan, compute_meta
+from lamina.strategies.cp.probe import Probed, cut_inputs, probe_forward
 from lamina.strategies.extension import extend_class
 from lamina.strategies.surface import PLACEMENT_KEY
 from lamina.strategies.tp import _on_device
@@ -67,12 +73,17 @@ class ContextPlanned:
     dim: int
     transformers: bool
     sync: tuple[dist.ProcessGroup | None, tuple[int, ...]] | None
+    #: Per dtype name, the gradient all-reduce's algorithm and chunks (cp alone).
+    sync_algorithms: dict[str, tuple[str, int]]
+    #: The sync group's cost model (its host layout builds the algorithms' groups).
+    sync_cost: CostModel | None
+    backend: str
 
 
 @dataclass(frozen=True)
 class _Measured:
     probed: Probed
-    block_s: float
+    timed: Timed
 
 
 class ContextParallelStrategy(Strategy):
@@ -144,7 +155,8 @@ class ContextParallelStrategy(Strategy):
         layout, args, kwargs, transformers = self._setup(model, ctx, placement, options)
         probed = _probe(model, layout, args, kwargs, options.seq_dim, transformers)
         _check_requested(probed, layout, options.attention)
-        return _Measured(probed, time_block(probed.sites[0], layout, ctx.device, None))
+        step = _local_step(model, layout, args, kwargs, options.seq_dim, transformers)
+        return _Measured(probed, measure_on_job(probed.sites[0], layout, ctx.device, step))
 
     def plan(
         self,
@@ -159,24 +171,32 @@ class ContextParallelStrategy(Strategy):
         layout, args, kwargs, transformers = self._setup(model, ctx, placement, options)
         measured = inputs.measured if inputs is not None else None
         if isinstance(measured, _Measured):
-            probed, block_s = measured.probed, measured.block_s
+            probed, timed = measured.probed, measured.timed
         else:
-            probed, block_s = (
-                _probe(model, layout, args, kwargs, options.seq_dim, transformers),
-                0.0,
-            )
+            probed = _probe(model, layout, args, kwargs, options.seq_dim, transformers)
+            timed = Timed(0.0, 0.0, 0.0)
+        block_s = timed.block_forward_s
         _check_requested(probed, layout, options.attention)
         group, ranks = ctx.mesh.group_over(placement.shard)
         cost = CostModel.from_topology(ctx.topology, ranks)
         link = cost.inter if cost.layout.host_count > 1 else cost.intra
-        priced = choose_algorithms(probed.sites, layout, link, block_s, options.attention)
+        priced = choose_attention(probed.sites, layout, link, block_s, options.attention)
         sync = None
         sync_label = None
+        sync_choices: dict[str, AlgorithmChoice] = {}
+        backend = str(dist.get_backend(group))
         if options.sync_gradients:
             axes = (*placement.shard, *placement.replicate)
             sync_group, sync_ranks = ctx.mesh.group_over(axes)
             sync = (sync_group, sync_ranks)
             sync_label = (sync_ranks, ctx.mesh.axes_label(axes))
+            sync_choices = choose_algorithms(
+                group_cost_model(ctx.topology, sync_ranks),
+                gradient_bytes(model),
+                "auto",
+                pg_backend=backend,
+                whole_job=len(sync_ranks) == ctx.world_size,
+            )
         axis = ctx.mesh.axes_label(placement.shard)
         meta = (
             *meta_items(
@@ -184,6 +204,7 @@ class ContextParallelStrategy(Strategy):
                 tokens_per_rank=layout.local_length,
                 load_balanced=layout.balanced,
             ),
+            *compute_meta(timed, layout, probed.sites),
             *((f"attention {p.site}", p.describe().split(": ", 1)[1]) for p in priced),
         )
         plan = build_context_plan(
@@ -195,10 +216,13 @@ class ContextParallelStrategy(Strategy):
             ranks,
             axis,
             ctx.world_size,
-            str(dist.get_backend(group)),
+            backend,
             sync_label,
             meta,
             broadcast=PLACEMENT_KEY not in model.__dict__,
+            sync_algorithms={
+                k: f for k, c in sync_choices.items() if (f := algorithm_fact(c)) is not None
+            },
         )
         lines = (
             f"sequence {layout.length} over cp={layout.size}, balanced={layout.balanced}",
@@ -215,7 +239,17 @@ class ContextParallelStrategy(Strategy):
             (("context_plan", lines),),
             None if held_before else SetupBroadcast(state, 0, None),
             ContextPlanned(
-                group, ranks, layout, probed, priced, options.seq_dim, transformers, sync
+                group,
+                ranks,
+                layout,
+                probed,
+                priced,
+                options.seq_dim,
+                transformers,
+                sync,
+                {k: (c.algorithm, c.chunks) for k, c in sync_choices.items()},
+                group_cost_model(ctx.topology, sync[1]) if sync else None,
+                backend,
             ),
         )
 
@@ -231,7 +265,19 @@ class ContextParallelStrategy(Strategy):
         sync = None
         if held.sync is not None:
             params = [p for p in model.parameters() if p.requires_grad]
-            sync = GradientSync(params, held.sync[0], group)
+            used = {a for a, _ in held.sync_algorithms.values()}
+            groups = None
+            if used - {"flat"} and held.sync_cost is not None:
+                # every rank builds them, in one order, after pre-flight agreed on the plan
+                groups = AlgorithmGroups(
+                    held.sync_cost.layout,
+                    dist.get_rank(),
+                    flat=held.sync[0],
+                    pg_backend=held.backend,
+                    whole_job=len(held.sync[1]) == dist.get_world_size(),
+                    needed=used,
+                )
+            sync = GradientSync(params, held.sync[0], group, held.sync_algorithms, groups)
         extra = _extra_kwargs(model, held.transformers)
         state = ContextParallelism(
             group,
@@ -247,6 +293,16 @@ class ContextParallelStrategy(Strategy):
         )
         state.watch(model)
         return extend_class(model, ContextParallelModule, {}, "lamina_cp", state)
+
+
+def gradient_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the trainable parameters' gradients, per dtype name."""
+    totals: dict[str, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            name = dtype_name(p.dtype)
+            totals[name] = totals.get(name, 0) + p.numel() * p.element_size()
+    return totals
 
 
 def _check_requested(probed: Probed, layout: SequenceLayout, attention: str) -> None:
@@ -277,6 +333,34 @@ def _extra_kwargs(model: nn.Module, transformers: bool) -> Any:
         return added
 
     return extra
+
+
+def _local_step(
+    model: nn.Module, layout: SequenceLayout, args: Any, kwargs: Any, dim: int, transformers: bool
+) -> Any:
+    """This rank's forward + backward of the model on its own tokens with plain attention
+    (gradients left as they were)."""
+    extra = _extra_kwargs(model, transformers)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return layout.shard(t, dim)
+
+    cut_args = cut_inputs(tuple(args), layout.length, dim, keep)
+    cut_kwargs = {**cut_inputs(dict(kwargs), layout.length, dim, keep), **extra(layout.positions())}
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        kept = [p.grad for p in params]
+        out = model(*cut_args, **cut_kwargs)
+        leaves = [
+            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if leaves:
+            torch.stack([t.float().sum() for t in leaves]).sum().backward()  # type: ignore[no-untyped-call]
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
+
+    return run
 
 
 def _probe(

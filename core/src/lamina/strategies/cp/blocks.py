@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.strategies.cp.masks import SKIP, Block, Masking
+from lamina.strategies.cp.masks import FULL, SKIP, Block, Masking
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -140,8 +140,38 @@ class BlockAttention:
         """``[qi][ki]``: how query chunk ``qi`` sees key chunk ``ki``."""
         return [[self.masking.block(q, k, self.chunk, dtype) for k in kv_chunks] for q in q_chunks]
 
-    def _split(self, t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-        return [c.contiguous() for c in torch.split(t, self.chunk, dim=2)][:parts]
+    def calls(
+        self, q_chunks: Sequence[int], kv_chunks: Sequence[int], dtype: torch.dtype
+    ) -> list[tuple[range, tuple[int, ...], Block]]:
+        """The kernel calls covering every block that is not skipped: ``(query chunks,
+        key chunks, block)``. Neighbouring query chunks that see the same key chunks whole
+        go in one call with those keys together (fewer, larger kernel calls: under
+        load-balanced causal attention each ring step is one or two calls); a causal or
+        masked block is a call of its own."""
+        grid = self.blocks(q_chunks, kv_chunks, dtype)
+        found: list[tuple[range, tuple[int, ...], Block]] = []
+        for qi, row in enumerate(grid):
+            for ki, block in enumerate(row):
+                if block.kind not in (SKIP, FULL):
+                    found.append((range(qi, qi + 1), (ki,), block))
+        whole = [tuple(ki for ki, b in enumerate(row) if b.kind == FULL) for row in grid]
+        qi = 0
+        while qi < len(grid):
+            end = qi + 1
+            while end < len(grid) and whole[end] == whole[qi]:
+                end += 1
+            if whole[qi]:
+                found.append((range(qi, end), whole[qi], Block(FULL)))
+            qi = end
+        return found
+
+    def _rows(self, t: torch.Tensor, chunks: range) -> torch.Tensor:
+        return t.narrow(2, chunks.start * self.chunk, len(chunks) * self.chunk).contiguous()
+
+    def _keys(self, t: torch.Tensor, chunks: tuple[int, ...]) -> torch.Tensor:
+        if chunks == tuple(range(chunks[0], chunks[-1] + 1)):
+            return t.narrow(2, chunks[0] * self.chunk, len(chunks) * self.chunk).contiguous()
+        return torch.cat([t.narrow(2, k * self.chunk, self.chunk) for k in chunks], dim=2)
 
     def forward(
         self,
@@ -155,13 +185,18 @@ class BlockAttention:
         """Add the blocks of ``q`` (its chunks ``q_chunks``) against ``k``/``v`` (chunks
         ``kv_chunks``) to ``running``."""
         heads = q.shape[1]
-        qs = self._split(q, len(q_chunks))
-        ks = self._split(_expand(k, heads), len(kv_chunks))
-        vs = self._split(_expand(v, heads), len(kv_chunks))
-        for qi, row in enumerate(self.blocks(q_chunks, kv_chunks, q.dtype)):
-            for ki, block in enumerate(row):
-                if block.kind != SKIP:
-                    running[qi].add(*_kernel(qs[qi], ks[ki], vs[ki], block, self.scale))
+        k, v = _expand(k, heads), _expand(v, heads)
+        for rows, keys, block in self.calls(q_chunks, kv_chunks, q.dtype):
+            out, lse = _kernel(
+                self._rows(q, rows), self._keys(k, keys), self._keys(v, keys), block, self.scale
+            )
+            parts = zip(
+                torch.split(out, self.chunk, dim=2),
+                torch.split(lse, self.chunk, dim=2),
+                strict=True,
+            )
+            for qi, (o, m) in zip(rows, parts, strict=True):
+                running[qi].add(o, m)
 
     def backward(
         self,
@@ -178,22 +213,31 @@ class BlockAttention:
         """Add the blocks' query gradients to ``grad_q`` (per query chunk) and return the
         key and value gradients of ``k`` and ``v`` (their shapes)."""
         heads, kv_heads = q.shape[1], k.shape[1]
-        qs = self._split(q, len(q_chunks))
-        ks = self._split(_expand(k, heads), len(kv_chunks))
-        vs = self._split(_expand(v, heads), len(kv_chunks))
-        dks = [torch.zeros_like(c) for c in ks]
-        dvs = [torch.zeros_like(c) for c in vs]
-        for qi, row in enumerate(self.blocks(q_chunks, kv_chunks, q.dtype)):
-            for ki, block in enumerate(row):
-                if block.kind == SKIP:
-                    continue
-                dq, dk, dv = _kernel_backward(
-                    grad_out[qi], qs[qi], ks[ki], vs[ki], out[qi], lse[qi], block, self.scale
-                )
-                grad_q[qi] += dq
-                dks[ki] += dk
-                dvs[ki] += dv
-        return _fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)
+        k, v = _expand(k, heads), _expand(v, heads)
+        dk_all, dv_all = torch.zeros_like(k), torch.zeros_like(v)
+        for rows, keys, block in self.calls(q_chunks, kv_chunks, q.dtype):
+            picked = list(rows)
+            dq, dk, dv = _kernel_backward(
+                torch.cat([grad_out[i] for i in picked], dim=2),
+                self._rows(q, rows),
+                self._keys(k, keys),
+                self._keys(v, keys),
+                torch.cat([out[i] for i in picked], dim=2),
+                torch.cat([lse[i] for i in picked], dim=2),
+                block,
+                self.scale,
+            )
+            for qi, part in zip(rows, torch.split(dq, self.chunk, dim=2), strict=True):
+                grad_q[qi] += part
+            for ki, dk_part, dv_part in zip(
+                keys,
+                torch.split(dk, self.chunk, dim=2),
+                torch.split(dv, self.chunk, dim=2),
+                strict=True,
+            ):
+                dk_all.narrow(2, ki * self.chunk, self.chunk).add_(dk_part)
+                dv_all.narrow(2, ki * self.chunk, self.chunk).add_(dv_part)
+        return _fold(dk_all, kv_heads), _fold(dv_all, kv_heads)
 
 
 def finish(

@@ -22,7 +22,9 @@ so every rank prices alike and picks alike; the plan shows each price.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from lamina.comm.cost import LinkCost
 from lamina.dtypes import dtype_from_name
-from lamina.strategies.cp.blocks import _kernel
+from lamina.strategies.cp.blocks import _kernel, _kernel_backward
 from lamina.strategies.cp.layout import SequenceLayout
 from lamina.strategies.cp.masks import FULL, Block
 from lamina.strategies.cp.plan_nodes import AttentionSite
@@ -118,24 +120,59 @@ def choose_algorithms(
     return tuple(chosen)
 
 
-def time_block(
+@dataclass(frozen=True)
+class Timed:
+    """What cp measured on the job before planning (each the slowest rank's seconds):
+    one whole attention block's forward and backward at the first call's shape, and this
+    rank's forward + backward of the model on its own tokens with plain attention (the
+    blocks among its own chunks)."""
+
+    block_forward_s: float
+    block_backward_s: float
+    local_step_s: float
+
+
+def _median(fn: Callable[[], object], runs: int) -> float:
+    times = []
+    for _ in range(runs + 1):  # the first warms up
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def measure_on_job(
     site: AttentionSite,
     layout: SequenceLayout,
     device: torch.device,
-    group: dist.ProcessGroup | None,
-) -> float:
-    """Seconds of one block's attention at ``site``'s shape (forward, the median of 5),
-    the slowest rank's (collective over ``group``)."""
+    local_step: Callable[[], object],
+) -> Timed:
+    """:class:`Timed` on this job (collective: every rank, the slowest rank's figures)."""
     dtype = dtype_from_name(site.dtype)
     shape = (site.batch, site.heads, layout.chunk, site.head_dim)
     q, k, v = (torch.randn(shape, dtype=dtype, device=device) for _ in range(3))
     block = Block(FULL)
-    times = []
-    for _ in range(6):
-        start = time.perf_counter()
-        _kernel(q, k, v, block, None)
-        times.append(time.perf_counter() - start)
-    measured = torch.tensor([sorted(times[1:])[2]], dtype=torch.float64, device=device)
+    out, lse = _kernel(q, k, v, block, None)
+    grad = torch.randn_like(out)
+    forward = _median(lambda: _kernel(q, k, v, block, None), 5)
+    backward = _median(lambda: _kernel_backward(grad, q, k, v, out, lse, block, None), 5)
+    step = _median(local_step, 2)
+    measured = torch.tensor([forward, backward, step], dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-    return float(measured.item())
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return Timed(*(float(x) for x in measured.tolist()))
+
+
+def extra_blocks(layout: SequenceLayout, causal: bool) -> float:
+    """Whole blocks one call computes on a rank beyond those among its own chunks (a
+    diagonal block counts half): what cp adds to the local step's attention."""
+    own = len(layout.local_chunks)
+    if not causal:
+        return float(layout.chunks_total * own - own * own)
+    seen = 0.0
+    for q in layout.local_chunks:
+        seen += q + 0.5  # the chunks before it, and half the diagonal
+    held = sum(
+        0.5 if a == b else 1.0 for a in layout.local_chunks for b in layout.local_chunks if b <= a
+    )
+    return seen - held

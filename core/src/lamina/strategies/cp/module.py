@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from lamina.comm.algorithms import AlgorithmGroups
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
@@ -38,11 +39,16 @@ from lamina.verify import PreflightReport
 class GradientSync:
     """cp without a sharder: after backward, each dtype's parameter gradients averaged
     over the cp group and any replica axes in one all-reduce (their cp scale makes the
-    average over cp a sum)."""
+    average over cp a sum), with the algorithm the cost model chose for its size and the
+    group's hosts (hierarchical across hosts, as dp's buckets)."""
 
     parameters: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
     cp: ContextGroup
+    #: Per dtype name, the all-reduce algorithm and chunks the plan chose (absent: flat).
+    algorithms: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: The process groups of the chosen algorithms (None: flat only).
+    groups: AlgorithmGroups | None = None
     queued: bool = False
 
     def queue(self) -> None:
@@ -60,9 +66,14 @@ class GradientSync:
                 by_dtype.setdefault(p.dtype, []).append(p.grad)
         for dtype, grads in sorted(by_dtype.items(), key=lambda item: str(item[0])):
             flat = torch.cat([g.reshape(-1) for g in grads])
-            node = gradients_node(dtype_name(dtype))
+            name = dtype_name(dtype)
+            node = gradients_node(name)
+            algorithm, chunks = self.algorithms.get(name, ("flat", 1))
             with self.cp.log.issuing(node, "all_reduce", flat.numel() * flat.element_size(), True):
-                dist.all_reduce(flat, group=self.group)
+                if self.groups is not None and algorithm != "flat":
+                    self.groups.all_reduce(algorithm, flat, chunks).wait()
+                else:
+                    dist.all_reduce(flat, group=self.group)
             flat /= dist.get_world_size(self.group)
             offset = 0
             for g in grads:

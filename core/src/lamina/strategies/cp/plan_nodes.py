@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +24,16 @@ from torch import nn
 from lamina.dtypes import dtype_from_name, dtype_name
 from lamina.runtime import Collective, CollectiveSpec, Compute, ExecutionPlan, PlanNode
 from lamina.runtime.broadcasts import broadcast_nodes
-from lamina.runtime.nodes import CollectivePurpose, Transfer
+from lamina.runtime.nodes import AlgorithmFact, CollectivePurpose, Transfer
 from lamina.runtime.plan import meta_items
+from lamina.runtime.render import (
+    BLOCK_BACKWARD,
+    BLOCK_FORWARD,
+    CONTEXT_AXIS,
+    EXTRA_BLOCKS,
+    LOCAL_STEP,
+    RING_BLOCKS,
+)
 from lamina.strategies.coalesced import dtype_totals
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -144,6 +153,7 @@ def build_context_plan(
     sync: tuple[tuple[int, ...], str] | None,
     meta: tuple[tuple[str, str], ...] = (),
     broadcast: bool = True,
+    sync_algorithms: dict[str, AlgorithmFact] | None = None,
 ) -> ExecutionPlan:
     """The step's plan: ``sites`` run ``algorithms`` over this rank's cp ``group`` on
     ``axis``; ``sync`` the group and axis label the gradients are all-reduced over
@@ -167,13 +177,21 @@ def build_context_plan(
         what: str,
         ranks: tuple[int, ...] = group,
         on: str = axis,
+        algorithm: AlgorithmFact | None = None,
     ) -> None:
         spec = CollectiveSpec(op, dtype, numel, dtype_from_name(dtype).itemsize, ranks, axis=on)
         purpose: CollectivePurpose = (
             "gradient" if node_id.startswith("gradients.") else "activation"
         )
         nodes.append(
-            PlanNode(node_id, "collective", phase, what, Collective(purpose, layer=what), spec)
+            PlanNode(
+                node_id,
+                "collective",
+                phase,
+                what,
+                Collective(purpose, layer=what, algorithm=algorithm),
+                spec,
+            )
         )
 
     def transfer(
@@ -258,6 +276,7 @@ def build_context_plan(
                 f"{dtype} gradients averaged",
                 ranks,
                 label,
+                (sync_algorithms or {}).get(dtype),
             )
     nodes.append(
         PlanNode(OPTIMIZER, "optimizer", "step", "optimizer step (user's optimizer)", Compute())
@@ -278,7 +297,27 @@ def build_context_plan(
         backend=backend,
         nodes=tuple(nodes),
         edges=tuple(edges),
-        meta=(*meta_items(cp=n), *meta),
+        meta=(*meta_items(cp=n), (CONTEXT_AXIS, axis), *meta),
+    )
+
+
+def compute_meta(
+    timed: Any, layout: Any, sites: tuple[AttentionSite, ...]
+) -> tuple[tuple[str, str], ...]:
+    """The measured compute the simulator prices a cp step from: a whole block's forward
+    and backward, this rank's local step, and per step the blocks cp adds over all calls
+    and a ring step's blocks (per call)."""
+    from lamina.strategies.cp.choose import extra_blocks
+
+    added = sum(extra_blocks(layout, s.causal) for s in sites)
+    causal = any(s.causal for s in sites)
+    ring = len(layout.local_chunks) ** 2 * (0.5 if causal else 1.0)
+    return (
+        (BLOCK_FORWARD, f"{timed.block_forward_s:.6g}"),
+        (BLOCK_BACKWARD, f"{timed.block_backward_s:.6g}"),
+        (LOCAL_STEP, f"{timed.local_step_s:.6g}"),
+        (EXTRA_BLOCKS, f"{added:g}"),
+        (RING_BLOCKS, f"{ring:g}"),
     )
 
 

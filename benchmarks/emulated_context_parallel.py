@@ -1,0 +1,165 @@
+"""Context parallelism on an emulated 2-host cluster: the simulator's step against the
+measured one, for each attention algorithm.
+
+Runs itself under ``lamina emulate``: 2 hosts x 2 gloo ranks, interleaved, each uplink
+shaped to ``--link`` (200 Mbit/s), links probed (``LAMINA_TOPOLOGY=probe``). The mesh is
+the topology's ``inter`` x ``intra``. ``"cp"`` goes inside the hosts (``intra``) and
+replicates over them (``inter``): the sequence is split between a host's two ranks, and
+after backward the gradients are averaged over all four ranks with the cost model's
+algorithm.
+
+The model is the examples' GPT (d_model 128, 4 layers, 4 heads, vocab 64), one sequence
+of ``--tokens`` (2048) tokens per replica and step, SGD. Each attention algorithm
+(``pass_kv``, ``all_gather``, ``all_to_all``) is one variant. Steps run in rounds with
+the order rotating (round 0 warms up); the step time is the slowest rank's, median.
+
+The prediction is ``lamina.simulate.predict`` on each model's plan. The cluster is
+declared from the probed links and the mesh ``{"inter": 2, "intra": 2}``. The step is the
+measured local compute plus the blocks cp adds, the ring's exposed transfers and the
+collectives. The table and the JSON (``results/emulated_context_parallel.json``) give
+both figures and their ratio. Needs root::
+
+    python benchmarks/emulated_context_parallel.py [--link 200mbit] [--rounds 4] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lamina
+from _results import write_results
+from emulated_training import INNER_ENV, run_emulated
+from lamina.strategies.contract import Placement
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _gpt_model import GPT, GPTConfig, lm_loss
+
+ALGORITHMS = ("pass_kv", "all_gather", "all_to_all")
+VOCAB = 64
+
+
+def _cluster(runtime: lamina.Runtime) -> Any:
+    from lamina.simulate import cluster_from_dict
+
+    topology = runtime.topology
+    inter, intra = topology.link(0, 1), topology.link(0, 2)  # across hosts; inside host 0
+    return cluster_from_dict(
+        {
+            "hosts": 2,
+            "devices_per_host": 2,
+            "intra": {"bandwidth_gbps": intra.bandwidth_gbps, "latency_us": intra.latency_us},
+            "inter": {"bandwidth_gbps": inter.bandwidth_gbps, "latency_us": inter.latency_us},
+            "mesh": {"inter": 2, "intra": 2},
+        },
+        "the probed emulated cluster",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    runtime = lamina.init(mesh="topology")
+    assert runtime.mesh.size("inter") == 2, "the benchmark runs on 2 emulated hosts"
+    replica = runtime.mesh.coordinates()["inter"]
+    g = torch.Generator().manual_seed(1 + replica)
+    x = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
+    y = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
+    placement = Placement(shard=("intra",), replicate=("inter",))
+    models: dict[str, Any] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for algorithm in ALGORITHMS:
+        torch.manual_seed(0)
+        config = GPTConfig(
+            vocab_size=VOCAB, seq_len=args.tokens, d_model=128, n_layers=4, n_heads=4
+        )
+        model = lamina.distribute(
+            GPT(config), "cp", placement=placement, example_inputs=(x,), attention=algorithm
+        )
+        models[algorithm] = model
+        optimizers[algorithm] = torch.optim.SGD(model.parameters(), lr=0.01)
+    cluster = _cluster(runtime)
+    from lamina.simulate import predict
+
+    predicted = {a: predict(models[a].execution_plan, cluster) for a in ALGORITHMS}
+    times: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
+    for round_ in range(args.rounds + 1):
+        order = ALGORITHMS[round_ % 3 :] + ALGORITHMS[: round_ % 3]
+        for algorithm in order:
+            model, opt = models[algorithm], optimizers[algorithm]
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                lm_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                if round_:
+                    times[algorithm].append(float(took.item()))
+        if runtime.rank == 0 and round_:
+            print(f"round {round_} done", flush=True)
+    if runtime.rank == 0:
+        rows = {}
+        for algorithm in ALGORITHMS:
+            p = predicted[algorithm]
+            measured = statistics.median(times[algorithm])
+            context = p.context
+            rows[algorithm] = {
+                "measured_step_s": measured,
+                "predicted_step_s": p.step_s,
+                "predicted_over_measured": p.step_s / measured,
+                "predicted_compute_s": context.compute_s if context else None,
+                "predicted_ring_exposed_s": context.ring_exposed_s if context else None,
+                "predicted_collectives_s": p.total_s,
+                "steps_timed": len(times[algorithm]),
+            }
+        print(f"\ncp=2 inside each host, 2 hosts at {args.link}, {args.tokens} tokens per replica")
+        print(
+            f"{'algorithm':<12}{'measured s':>12}{'predicted s':>13}{'ratio':>8}"
+            f"{'collectives s':>15}"
+        )
+        for algorithm, row in rows.items():
+            print(
+                f"{algorithm:<12}{row['measured_step_s']:>12.3f}{row['predicted_step_s']:>13.3f}"
+                f"{row['predicted_over_measured']:>8.3f}{row['predicted_collectives_s']:>15.3f}"
+            )
+        write_results(
+            "emulated_context_parallel",
+            args.output,
+            {
+                "link": args.link,
+                "tokens": args.tokens,
+                "model": "GPT d_model 128, 4 layers, 4 heads, vocab 64; SGD",
+                "mesh": "inter 2 x intra 2 (cp on intra, replicated over inter), ranks interleaved",
+                "results": rows,
+            },
+        )
+    lamina.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link", default="200mbit", help="emulated link speed (200mbit)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--output", default="emulated_context_parallel.json")
+    args = parser.parse_args()
+    if not os.environ.get(INNER_ENV):
+        argv = list(sys.argv[1:])
+        if "--link" not in argv:
+            argv += ["--link", args.link]
+        sys.exit(run_emulated(args.link, __file__, argv))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
