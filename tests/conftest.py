@@ -63,6 +63,7 @@ SLOWEST_FIRST = (
     "test_gpu_suite.py",
     "test_tensor_parallel.py",
     "test_pipeline.py",
+    "test_context_parallel.py",
     "test_hf_trainer.py",
     "test_lightning.py",
     "test_pipeline_models_today.py",
