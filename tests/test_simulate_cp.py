@@ -10,8 +10,8 @@ import pytest
 from torch import nn
 
 from lamina.simulate import cluster_from_dict, predict
-from lamina.strategies.cp.choose import Timed, extra_blocks
-from lamina.strategies.cp.layout import SequenceLayout
+from lamina.strategies.cp.choose import Timed
+from lamina.strategies.cp.layout import SequenceLayout, extra_blocks
 from lamina.strategies.cp.plan_nodes import (
     AttentionSite,
     OutputSite,

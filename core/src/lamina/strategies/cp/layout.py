@@ -83,3 +83,18 @@ class SequenceLayout:
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's tokens of a global ``tensor`` cut on ``dim``."""
         return tensor.index_select(dim, self.positions(tensor.device))
+
+
+def extra_blocks(layout: SequenceLayout, causal: bool) -> float:
+    """Whole blocks one call computes on a rank beyond those among its own chunks (a
+    diagonal block counts half): what cp adds to the local step's attention."""
+    own = len(layout.local_chunks)
+    if not causal:
+        return float(layout.chunks_total * own - own * own)
+    seen = 0.0
+    for q in layout.local_chunks:
+        seen += q + 0.5  # the chunks before it, and half the diagonal
+    held = sum(
+        0.5 if a == b else 1.0 for a in layout.local_chunks for b in layout.local_chunks if b <= a
+    )
+    return seen - held

@@ -35,6 +35,7 @@ from lamina.runtime.render import (
     RING_BLOCKS,
 )
 from lamina.strategies.coalesced import dtype_totals
+from lamina.strategies.cp.layout import extra_blocks
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
@@ -307,8 +308,6 @@ def compute_meta(
     """The measured compute the simulator prices a cp step from: a whole block's forward
     and backward, this rank's local step, and per step the blocks cp adds over all calls
     and a ring step's blocks (per call)."""
-    from lamina.strategies.cp.choose import extra_blocks
-
     added = sum(extra_blocks(layout, s.causal) for s in sites)
     causal = any(s.causal for s in sites)
     ring = len(layout.local_chunks) ** 2 * (0.5 if causal else 1.0)
