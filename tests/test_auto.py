@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import lamina
 from examples_on_ranks import run_example
+from lamina.auto.attention import AttentionCall, AttentionProfile
 from lamina.auto.candidates import candidates_for
 from lamina.auto.comm import ClusterComm
 from lamina.auto.measure import ChainProfile, ModelProfile
@@ -76,6 +79,18 @@ def test_a_three_axis_mesh_places_tp_and_pp_on_their_named_axes() -> None:
         "pp(pp)+dp(dp+tp)",
         "pp(pp)+zero3(dp+tp)",
     ]
+
+
+def test_context_parallelism_is_a_candidate_only_when_asked_for() -> None:
+    assert not [c for c in candidates_for({"dp": 4}) if c.cp_degree > 1]
+    flat = [c for c in candidates_for({"dp": 4}, context=True) if c.cp_degree > 1]
+    assert [c.label for c in flat] == ["cp+zero3"]
+    assert (flat[0].cp_degree, flat[0].shard_degree, flat[0].data_replicas) == (4, 4, 1)
+    two = [c for c in candidates_for({"inter": 2, "intra": 4}, context=True) if c.cp_degree > 1]
+    assert [c.label for c in two] == ["cp(intra)+zero3(inter+intra)"]
+    assert two[0].batch_axes() == ("inter",) and two[0].data_replicas == 2
+    named = candidates_for({"dp": 2, "cp": 4, "tp": 2}, context=True)
+    assert "cp(cp)+zero3(dp+cp+tp)" in [c.label for c in named]
 
 
 # -- predictions on a declared cluster -------------------------------------------------------
@@ -190,6 +205,74 @@ def test_a_model_that_fits_nowhere_is_one_line_naming_the_smallest_footprint() -
     smallest = min(ranking.entries, key=lambda e: e.prediction.memory_bytes if e.prediction else 0)
     assert f"({smallest.candidate.label}) against 51.2 MiB of device memory" in message
     assert "smallest predicted footprint is" in message
+
+
+def _long_profile(tokens: int, rows: int = 1) -> ModelProfile:
+    """The transformer profile on ``rows`` sequences of ``tokens`` (its compute and
+    activations grown with the tokens), with 8 attention calls of 32 query and 8
+    key/value heads of dim 128 (grouped-query, causal)."""
+    base = _profile(rows=rows)
+    assert base.chain is not None
+    scale = tokens / 256
+    calls = tuple(AttentionCall(rows, 32, 8, tokens, 128, 4, True) for _ in range(BLOCKS))
+    chain = ChainProfile(**{**base.chain.__dict__, "crossing_bytes_per_row": tokens * 1024 * 4})
+    return ModelProfile(
+        **{
+            **base.__dict__,
+            "forward_s": base.forward_s * scale,
+            "backward_s": base.backward_s * scale,
+            "activation_bytes": int(base.activation_bytes * scale),
+            "chain": chain,
+            # the forward returns the last hidden states (the loss taken on them outside)
+            "attention": AttentionProfile(rows, calls, rows * tokens * 1024 * 4),
+        }
+    )
+
+
+def test_context_parallelism_is_priced_by_its_collectives_on_the_cp_group() -> None:
+    cluster = _cluster(25, hosts=1, per_host=8)
+    comm = ClusterComm(cluster)
+    profile = _long_profile(32_768)  # one row per rank: the cp group holds 8
+    (cp,) = [c for c in candidates_for(cluster.mesh, context=True) if c.cp_degree > 1]
+    zero3 = next(c for c in candidates_for(cluster.mesh) if c.label == "zero3")
+    split, whole = predict_candidate(cp, profile, comm), predict_candidate(zero3, profile, comm)
+    # the same tokens per rank: the same compute, the sequence's collectives on top
+    assert split.parts["compute"] == pytest.approx(whole.parts["compute"])
+    kv = 2 * 8 * 8 * 32_768 * 128 * 4  # one call's keys and values on the group's 8 rows
+    gathered = comm.seconds("all_gather", ("intra",), kv)
+    assert split.parts["context collectives"] > 2 * BLOCKS * gathered
+    assert split.memory_parts["gathered keys and values"] == kv
+    assert split.step_s > whole.step_s
+
+
+def test_a_global_batch_of_fewer_rows_than_ranks_is_split_by_context_or_tensor() -> None:
+    # one 32k-token sequence per step on 2 hosts of 8 PCIe-linked devices: data
+    # parallelism has no row for most ranks; cp moves keys and values, tp activations
+    cluster = cluster_from_dict(
+        {
+            "hosts": 2,
+            "devices_per_host": 8,
+            "intra": {"bandwidth_gbps": 16, "latency_us": 5},
+            "inter": {"bandwidth_gbps": 25, "latency_us": 10},
+            "device_memory_gib": 80,
+            "mesh": {"inter": 2, "intra": 8},
+        }
+    )
+    ranking = rank_candidates(
+        candidates_for(cluster.mesh, context=True),
+        _long_profile(32_768),
+        ClusterComm(cluster),
+        device_memory=cluster.device_memory_bytes,
+        global_rows=2,
+    )
+    verdicts = {e.candidate.label: e.rejected for e in ranking.entries}
+    assert verdicts["dp"] == (
+        "not applicable: its 16 data replicas cannot share a global batch of 2 rows"
+    )
+    assert verdicts["cp(intra)+zero3(inter+intra)"] == ""
+    assert verdicts["tp(intra)+zero3(inter)"] == ""
+    chosen = ranking.choice()
+    assert chosen.candidate.label == "cp(intra)+zero3(inter+intra)", ranking.table()
 
 
 # -- on ranks --------------------------------------------------------------------------------
@@ -365,3 +448,97 @@ def test_train_gpt_auto_trains_as_the_chosen_strategy_given_by_hand(tmp_path: Pa
     ]
     assert len(curves[0]) == 3
     assert curves[0] == pytest.approx(curves[1], rel=1e-6)
+
+
+# -- a sequence split by the automatic choice ---------------------------------------------------
+
+LONG = 64
+
+
+class _OneAttention(nn.Module):
+    """An embedding, one causal attention of 4 heads and a head: no chain of blocks (no
+    tp, no pp), so one sequence on two ranks can only be split by cp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.qkv = nn.Linear(32, 96)
+        self.out = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape
+        q, k, v = self.qkv(self.emb(x)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(h.transpose(1, 2).reshape(b, s, 32))
+
+
+def _lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _one_sequence_job() -> dict[str, Any]:
+    lamina.init()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randint(0, VOCAB, (3, 1, LONG), generator=g)
+    reference = _OneAttention()
+    model = lamina.distribute(
+        _OneAttention(),
+        "auto",
+        example_inputs=(xs[0],),
+        global_batch=1,
+        context_min_tokens=0,
+        timing_runs=1,
+    )
+    choice = model.lamina_auto  # type: ignore[union-attr]
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in xs:
+        loss = _lm(model(x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        expected = _lm(reference(x), x)
+        expected.backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        losses.append((loss.item(), expected.item()))
+    last = model.lamina_cp.run_log.current  # type: ignore[union-attr]
+    logged = sorted({*last.issued, *last.transfers})
+    try:  # the default minimum: a 64-token sequence is not long enough for cp
+        lamina.distribute(
+            _OneAttention(), "auto", example_inputs=(xs[0],), global_batch=1, timing_runs=1
+        )
+        short = ""
+    except ConfigError as exc:
+        short = str(exc)
+    lamina.shutdown()
+    return {
+        "chosen": choice.candidate.label,
+        "verdicts": {e.candidate.label: e.rejected for e in choice.ranking.entries},
+        "replica_rows": choice.replica_rows,
+        "losses": losses,
+        "logged": logged,
+        "short": short,
+    }
+
+
+@pytest.mark.multiprocess
+def test_one_sequence_on_two_ranks_is_split_by_cp_and_trains_as_one_process() -> None:
+    results = run_ranks(_one_sequence_job, 2, timeout=300)
+    first = results[0]
+    assert all(r["chosen"] == "cp+zero3" for r in results), first["verdicts"]
+    assert first["verdicts"]["dp"].endswith("cannot share a global batch of 1 rows")
+    assert first["verdicts"]["tp"].startswith("not applicable: tp splits the layers of blocks")
+    assert first["replica_rows"] == 1
+    for r in results:
+        for ours, theirs in r["losses"]:
+            assert ours == pytest.approx(theirs, rel=1e-6)
+    assert "output.0" in first["logged"]
+    assert any(n.startswith("attention.0.") for n in first["logged"]), first["logged"]
+    assert "\n" not in first["short"]
+    assert first["short"].startswith("strategy 'auto': no candidate can run this model ("), first[
+        "short"
+    ]

@@ -16,6 +16,12 @@ that applies to a mesh, outermost axis first:
   ``zero3`` over the others; ``pp`` on an axis named ``pp``, replicated or sharded over
   the others.
 
+With ``context`` (the model's attention sees a long sequence: :mod:`lamina.auto.choose`)
+context parallelism too: ``cp`` over the one axis, over the inner axis of two, or over an
+axis named ``cp``, each composed with ``zero3`` over every axis (the sharder spans the cp
+ranks, whose parameters are whole). A cp group takes one data replica's batch and splits
+its sequences, so a global batch of fewer rows than ranks can still be trained.
+
 Axes of one rank are left out of the choice (the strategy that replicates takes them).
 
 With ``allow_lossy`` ``dp`` also runs with each lossy codec (bf16, fp8) on its buckets.
@@ -111,9 +117,20 @@ class Candidate:
         return self.size(pp.shard) if pp else 1
 
     @property
+    def cp_degree(self) -> int:
+        """Ranks one sequence is split over (1: no context parallelism)."""
+        cp = self.use("cp")
+        return self.size(cp.shard) if cp else 1
+
+    @property
     def data_replicas(self) -> int:
         """Ranks groups that each take their own part of the global batch."""
-        return self.world_size // (self.tp_degree * self.pp_degree)
+        return self.world_size // (self.tp_degree * self.pp_degree * self.cp_degree)
+
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the data replicas lie along (outside tp, pp and cp)."""
+        taken = {a for s in ("tp", "pp", "cp") if (u := self.use(s)) for a in u.shard}
+        return tuple(a for a, _ in self.mesh if a not in taken)
 
     @property
     def sharder(self) -> Use | None:
@@ -150,9 +167,10 @@ def candidates_for(
     *,
     allow_lossy: bool = False,
     microbatches: int = 0,
+    context: bool = False,
 ) -> list[Candidate]:
     """Every candidate on ``mesh`` (see the module); ``microbatches`` per pipelined step
-    (0: twice the stages)."""
+    (0: twice the stages); ``context``: context parallelism too."""
     axes = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(mesh)
     if not axes or any(size < 1 for _, size in axes):
         raise ValueError(f"a mesh of positive axis sizes is needed, got {axes}")
@@ -160,8 +178,26 @@ def candidates_for(
     real = tuple((a, size) for a, size in axes if size > 1)
     if not real:  # one rank: nothing to distribute but the plain step
         return [Candidate((Use("dp", replicate=tuple(a for a, _ in axes)),), axes)]
-    out = [_placed(c, axes, trivial) for c in _on(real, allow_lossy, microbatches)]
+    found = _on(real, allow_lossy, microbatches)
+    if context:
+        found += _context(real)
+    out = [_placed(c, axes, trivial) for c in found]
     return [c for c in out if c is not None]
+
+
+def _context(axes: tuple[tuple[str, int], ...]) -> list[Candidate]:
+    """Context parallelism on a mesh whose every axis holds two ranks or more: over the
+    one axis, the inner of two, or the axis named ``cp``; ``zero3`` over every axis."""
+    names = tuple(a for a, _ in axes)
+    if len(axes) == 1:
+        over: tuple[str, ...] = names
+    elif len(axes) == 2:
+        over = (names[1],)
+    elif "cp" in names:
+        over = ("cp",)
+    else:
+        return []
+    return [Candidate((Use("cp", shard=over), Use("zero3", shard=names)), axes)]
 
 
 def _placed(

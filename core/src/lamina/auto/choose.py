@@ -21,6 +21,7 @@ asks ``lamina.distribute`` itself (:func:`lamina.api.request_auto`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -51,6 +52,10 @@ if TYPE_CHECKING:
 
 #: The name ``lamina.distribute`` takes for the automatic choice.
 AUTO = "auto"
+#: The sequence (tokens an attention call sees) from which context parallelism is
+#: considered: below it attention is a small share of the step and splitting the
+#: sequence only adds collectives.
+CONTEXT_MIN_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,10 @@ class AutoOptions(StrategyOptions):
     device's; on CPU the host's memory shared among its ranks). ``memory_margin``: the
     share of it kept free. ``microbatches``: per pipelined step (0: twice the stages).
     ``timing_runs``: timed runs per measurement. ``verify``: the pre-flight checks.
+    ``global_batch``: rows per step over the whole job (default: ``example_inputs``'
+    rows times the ranks); fewer rows than ranks leaves only the candidates that split
+    a row (context or tensor parallelism, a pipeline). ``context_min_tokens``: the
+    sequence from which context parallelism is a candidate.
     """
 
     example_inputs: tuple[Any, ...] | None = None
@@ -73,6 +82,8 @@ class AutoOptions(StrategyOptions):
     memory_margin: float = MEMORY_MARGIN
     microbatches: int = 0
     timing_runs: int = PROFILE_RUNS
+    global_batch: int | None = None
+    context_min_tokens: int = CONTEXT_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.example_inputs is None or not isinstance(self.example_inputs, tuple):
@@ -86,7 +97,15 @@ class AutoOptions(StrategyOptions):
             raise ConfigError(
                 f"device_memory must be a positive byte count, got {self.device_memory}"
             )
-        for name in ("microbatches", "timing_runs"):
+        if self.global_batch is not None and (
+            isinstance(self.global_batch, bool)
+            or not isinstance(self.global_batch, int)
+            or self.global_batch < 1
+        ):
+            raise ConfigError(
+                f"global_batch must be a positive row count, got {self.global_batch!r}"
+            )
+        for name in ("microbatches", "timing_runs", "context_min_tokens"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -134,6 +153,8 @@ class AutoChoice:
     replica: tuple[int, int] = (0, 1)
     #: Rows of one replica's batch per step (the global batch over the replicas).
     replica_rows: int = 0
+    #: Rows of the global batch per step.
+    global_rows: int = 0
 
     @property
     def strategy(self) -> str:
@@ -180,12 +201,28 @@ def choose(model: nn.Module, runtime: Runtime, options: Mapping[str, Any]) -> Au
     )
     inputs = opts.example_inputs
     assert inputs is not None
+    global_rows = global_rows_of(opts, runtime.world_size)
     distribution = distribution_for(
-        candidate, inputs, opts.example_kwargs, verify=opts.verify, meta=meta
+        candidate,
+        inputs,
+        opts.example_kwargs,
+        verify=opts.verify,
+        meta=meta,
+        global_rows=global_rows,
     )
-    rows = profile.batch * runtime.world_size // candidate.data_replicas
+    rows = global_rows // candidate.data_replicas
     replica = replica_of(runtime, candidate)
-    return AutoChoice(ranking, candidate, profile, distribution, replica, rows)
+    return AutoChoice(ranking, candidate, profile, distribution, replica, rows, global_rows)
+
+
+def global_rows_of(opts: AutoOptions, world_size: int) -> int:
+    """Rows of the global batch per step: ``global_batch``, or the example's rows on
+    every rank."""
+    if opts.global_batch is not None:
+        return opts.global_batch
+    inputs = opts.example_inputs
+    assert inputs is not None
+    return batch_rows(inputs) * world_size
 
 
 def rank_cluster(
@@ -221,7 +258,9 @@ def rank_for(
     else:
         axes = tuple((a, runtime.mesh.size(a)) for a in runtime.mesh.axis_names)
         memory = opts.device_memory or device_memory_bytes(runtime)
-    candidates = candidates_for(axes, allow_lossy=opts.allow_lossy, microbatches=opts.microbatches)
+    candidates = candidates_for(
+        axes, allow_lossy=opts.allow_lossy, microbatches=opts.microbatches, context=True
+    )
     timed: list[MeasuredComm] = []
 
     def step() -> None:  # the model's forward + backward, as the overlap's compute
@@ -246,8 +285,18 @@ def rank_for(
     if cluster is None:
         comm = timed[0]
         where = f"links: timed on this job; {comm.describe()[0]}"
+    tokens = profile.attention.tokens if profile.attention is not None else 0
+    if tokens < opts.context_min_tokens:  # short sequences: cp only adds collectives
+        candidates = [c for c in candidates if c.cp_degree == 1]
+    world = math.prod(size for _, size in axes)
     ranking = rank_candidates(
-        candidates, profile, comm, device_memory=memory, margin=opts.memory_margin, where=where
+        candidates,
+        profile,
+        comm,
+        device_memory=memory,
+        margin=opts.memory_margin,
+        where=where,
+        global_rows=global_rows_of(opts, world),
     )
     return ranking, profile
 
@@ -294,18 +343,21 @@ def distribution_for(
     *,
     verify: bool = True,
     meta: tuple[tuple[str, str], ...] = (),
+    global_rows: int | None = None,
 ) -> Distribution:
     """``candidate`` as ``lamina.distribute`` takes it by hand (pure: nothing runs).
-    ``example_inputs``: one rank's batch under data parallelism (a pipeline or
-    tensor-parallel group gets as many rows as its ranks hold)."""
+    ``example_inputs``: one rank's batch under data parallelism; a pipeline, tensor- or
+    context-parallel group gets one replica's share of ``global_rows`` (default: the
+    example's rows on every rank)."""
     from lamina.strategies.registry import get_strategy
 
     options: dict[str, Any] = {}
     names = candidate.strategies
     rows = batch_rows(example_inputs)
+    total = global_rows if global_rows is not None else rows * candidate.world_size
     takes = {n for n in names if "example_inputs" in get_strategy(n).options.names()}
-    if takes:  # one data replica's batch: a pipeline's, a tensor-parallel group's
-        replica_rows = rows * candidate.world_size // candidate.data_replicas
+    if takes:  # one data replica's batch: a pipeline's, a tensor or context group's
+        replica_rows = total // candidate.data_replicas
         options["example_inputs"] = rows_of(example_inputs, replica_rows, rows)
         if example_kwargs is not None:
             options["example_kwargs"] = example_kwargs
@@ -341,11 +393,11 @@ def distribute_candidate(
 
 
 def replica_of(runtime: Runtime, candidate: Candidate) -> tuple[int, int]:
-    """This rank's data replica (its coordinates over the axes outside tp and pp, in
-    mesh order) and the number of replicas."""
+    """This rank's data replica (its coordinates over the axes outside tp, pp and cp,
+    in mesh order) and the number of replicas."""
     coords = runtime.mesh.coordinates()
     index, count = 0, 1
-    for axis in candidate.sync_axes():
+    for axis in candidate.batch_axes():
         size = runtime.mesh.size(axis)
         index, count = index * size + coords[axis], count * size
     return index, count
@@ -380,6 +432,7 @@ def forced_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "AUTO",
+    "CONTEXT_MIN_TOKENS",
     "AutoChoice",
     "AutoOptions",
     "Distribution",
@@ -389,6 +442,7 @@ __all__ = [
     "distribute_candidate",
     "distribution_for",
     "forced_options",
+    "global_rows_of",
     "rank_cluster",
     "rank_for",
     "replica_of",

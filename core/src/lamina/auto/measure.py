@@ -10,7 +10,12 @@ is timed at the share of a shared device it gets in a training loop):
   (:func:`lamina.strategies.pp.cut.measure_costs`), where the model has a chain of
   blocks;
 - AdamW's step, on copies of the largest parameters (up to 4M elements), scaled;
-- the bytes autograd saves for the backward (the activations), counted as they are saved.
+- the bytes autograd saves for the backward (the activations), counted as they are saved;
+- the attention calls and the outputs cut on the sequence
+  (:func:`lamina.auto.attention.attention_profile`), which price context parallelism.
+
+A candidate whose ranks each take another share of the global batch than the measured
+one is predicted from the profile scaled to that share (:meth:`ModelProfile.at_rows`).
 
 Times are the mean over the ranks, sizes the largest, so every rank predicts from the
 same figures and chooses the same candidate.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lamina.auto.attention import AttentionProfile, attention_profile
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain, find_chain
@@ -65,8 +71,8 @@ class ChainProfile:
 class ModelProfile:
     """The measured figures the predictions are made from (see the module)."""
 
-    #: Rows of ``example_inputs``.
-    batch: int
+    #: Rows of ``example_inputs`` (a share of a row after :meth:`at_rows`).
+    batch: float
     parameters: int
     parameter_bytes: int
     #: Bytes of the parameters the model uses in two places (a tied embedding and head).
@@ -81,6 +87,23 @@ class ModelProfile:
     #: What AdamW's step costs more on DTensor parameters (as the sharded strategies hold
     #: them): each op dispatched through DTensor, for every parameter tensor.
     optimizer_dispatch_s: float = 0.0
+    #: The attention calls (None: the forward makes none).
+    attention: AttentionProfile | None = None
+
+    def at_rows(self, rows: float) -> ModelProfile:
+        """The profile of one rank's share of ``rows`` rows (a fraction of a row when a
+        sequence is split): the forward, backward and activations scaled in proportion
+        (the blocks' costs keep the microbatch they were timed on)."""
+        if rows == self.batch:
+            return self
+        scale = rows / self.batch
+        return replace(
+            self,
+            batch=rows,
+            forward_s=self.forward_s * scale,
+            backward_s=self.backward_s * scale,
+            activation_bytes=int(self.activation_bytes * scale),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """Plain data (seconds, bytes)."""
@@ -105,6 +128,7 @@ class ModelProfile:
                 "crossing_bytes_per_row": chain.crossing_bytes_per_row,
             },
             "no_chain": self.no_chain,
+            "attention": None if self.attention is None else self.attention.to_json(),
         }
 
 
@@ -191,6 +215,7 @@ def profile_model(
     with preserved(model):
         forwards, wholes = samples(forward), samples(whole)
         activation_bytes = _saved_bytes(model, lambda: model(*inputs, **kwargs))
+        attention = attention_profile(model, inputs, kwargs, batch)
         model.zero_grad(set_to_none=True)
     between()  # a shared machine's slow spells last seconds: time again after it
     with preserved(model):
@@ -240,6 +265,7 @@ def profile_model(
         chain=chain_profile,
         no_chain=no_chain,
         optimizer_dispatch_s=dispatch_s,
+        attention=attention,
     )
 
 

@@ -33,6 +33,17 @@ hide behind compute and what they wait for:
   gathered once before the schedule), and a tied parameter summed across the stages
   (``1/R`` of it by each of the ``R`` pipelines).
 
+- ``cp`` (``C`` ranks per sequence, ``zero3`` over every axis): each rank computes its
+  ``1/C`` of the replica's tokens (the measured step scaled to them; load-balanced causal
+  attention does ``1/C`` of the work), sharded as above; each attention call's keys and
+  values all-gathered forward and their gradients reduce-scattered backward (the
+  all-gather algorithm: cp's own per-call choice pays at most that), the outputs cut on
+  the sequence all-gathered, none of it hidden, each waiting the skew.
+
+The global batch (``global_rows``; default the measured rows times the ranks) is split
+among the data replicas; a candidate whose replicas cannot share it evenly cannot run.
+Each rank is predicted on its share of it (:meth:`~lamina.auto.measure.ModelProfile.at_rows`).
+
 Memory per rank: parameters, gradients and AdamW's two moments (16 bytes per fp32
 parameter, ``1/S`` of them when sharded, ``1/T`` under tensor parallelism, one stage's
 under ``pp``); plus what is gathered at once (two units; a whole stage) and the
@@ -89,10 +100,24 @@ class NotApplicable(Exception):
 
 
 def predict_candidate(
-    candidate: Candidate, profile: ModelProfile, comm: CommCosts
+    candidate: Candidate,
+    profile: ModelProfile,
+    comm: CommCosts,
+    global_rows: int | None = None,
 ) -> CandidatePrediction:
-    """``candidate``'s step and memory (see the module); NotApplicable when it cannot
-    run the model."""
+    """``candidate``'s step and memory with ``global_rows`` rows per step (default: the
+    measured rows on every rank; see the module); NotApplicable when it cannot run the
+    model."""
+    world = candidate.world_size
+    rows = global_rows if global_rows is not None else round(profile.batch * world)
+    replicas = candidate.data_replicas
+    if rows % replicas:
+        raise NotApplicable(
+            f"its {replicas} data replicas cannot share a global batch of {rows} rows"
+        )
+    profile = profile.at_rows(rows / world)
+    if candidate.cp_degree > 1:
+        return _context_parallel(candidate, profile, comm)
     if candidate.pp_degree > 1:
         return _pipelined(candidate, profile, comm)
     if candidate.tp_degree > 1:
@@ -244,7 +269,7 @@ def _pipelined(c: Candidate, p: ModelProfile, comm: CommCosts) -> CandidatePredi
     stages, m = c.pp_degree, c.microbatches
     if stages > chain.blocks:
         raise NotApplicable(f"{stages} stages need {stages} blocks; the model has {chain.blocks}")
-    rows = p.batch * stages
+    rows = round(p.batch * stages)
     if rows % m:
         raise NotApplicable(f"the pipeline's {rows} rows do not split into {m} microbatches")
     per_micro = rows // m
@@ -295,6 +320,46 @@ def _pipelined(c: Candidate, p: ModelProfile, comm: CommCosts) -> CandidatePredi
             "optimizer": optimizer,
         },
         {"state": state, "gathered": gathered, "activations": activations},
+    )
+
+
+def _context_parallel(c: Candidate, p: ModelProfile, comm: CommCosts) -> CandidatePrediction:
+    attention = p.attention
+    if attention is None:
+        raise NotApplicable(
+            "cp splits attention: the forward calls no scaled_dot_product_attention"
+        )
+    cp = c.use("cp")
+    assert cp is not None
+    degree = c.cp_degree
+    tokens = attention.tokens
+    if tokens % (2 * degree):
+        raise NotApplicable(
+            f"a sequence of {tokens} tokens does not split into {2 * degree} equal chunks"
+        )
+    axes = cp.shard
+    # one replica's rows against the rows the calls were read on
+    share = p.batch * degree / attention.rows
+    collectives = 2 * len(attention.calls)
+    seconds = 0.0
+    largest = 0.0
+    for call in attention.calls:
+        kv = call.kv_bytes * share
+        largest = max(largest, kv)
+        seconds += comm.seconds("all_gather", axes, kv) + comm.seconds("reduce_scatter", axes, kv)
+    outputs = attention.output_bytes * share
+    if outputs:
+        seconds += comm.seconds("all_gather", axes, outputs)
+        collectives += 1
+    blocking = seconds + collectives * comm.skew
+    base = _sharded(c, p, comm, 1)
+    parts = dict(base.parts)
+    parts["context collectives"] = blocking
+    memory = dict(base.memory_parts)
+    memory["gathered keys and values"] = int(largest)
+    memory["gathered outputs"] = int(outputs)
+    return CandidatePrediction(
+        base.step_s + blocking, base.memory_bytes + int(largest + outputs), parts, memory
     )
 
 

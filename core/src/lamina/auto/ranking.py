@@ -140,12 +140,14 @@ def rank_candidates(
     device_memory: int | None,
     margin: float = MEMORY_MARGIN,
     where: str = "",
+    global_rows: int | None = None,
 ) -> Ranking:
-    """Predict every candidate and rank them (see the module)."""
+    """Predict every candidate with ``global_rows`` rows per step (default: the
+    profile's rows on every rank) and rank them (see the module)."""
     entries = []
     for candidate in candidates:
         try:
-            prediction = predict_candidate(candidate, profile, comm)
+            prediction = predict_candidate(candidate, profile, comm, global_rows)
         except NotApplicable as exc:
             entries.append(Ranked(candidate, None, f"not applicable: {exc}"))
             continue

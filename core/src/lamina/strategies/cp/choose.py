@@ -37,6 +37,8 @@ from lamina.strategies.cp.layout import SequenceLayout
 from lamina.strategies.cp.masks import FULL, Block
 from lamina.strategies.cp.plan_nodes import AttentionSite
 
+#: Timed runs of the local step (after one that warms up), of which the median counts.
+LOCAL_STEP_RUNS = 3
 #: Ties go to the first: overlap first, then one collective.
 PREFERENCE = ("pass_kv", "all_gather", "all_to_all")
 
@@ -154,9 +156,15 @@ def measure_on_job(
     block = Block(FULL)
     out, lse = _kernel(q, k, v, block, None)
     grad = torch.randn_like(out)
+    together = dist.barrier if dist.is_initialized() else (lambda: None)
+    # every rank starts each measurement at once: ranks sharing a device are timed at
+    # the share of it they get when the step runs
+    together()
     forward = _median(lambda: _kernel(q, k, v, block, None), 5)
+    together()
     backward = _median(lambda: _kernel_backward(grad, q, k, v, out, lse, block, None), 5)
-    step = _median(local_step, 2)
+    together()
+    step = _median(local_step, LOCAL_STEP_RUNS)
     measured = torch.tensor([forward, backward, step], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
