@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.cost import AlgorithmChoice, CostModel
@@ -43,6 +42,7 @@ from lamina.strategies.cp.choose import choose_algorithms as choose_attention
 from lamina.strategies.cp.comm import ContextGroup
 from lamina.strategies.cp.hf import is_transformers_model, use_context_attention
 from lamina.strategies.cp.layout import SequenceLayout
+from lamina.strategies.cp.local_step import local_step
 from lamina.strategies.cp.module import (
     ContextParallelism,
     ContextParallelModule,
@@ -51,7 +51,7 @@ from lamina.strategies.cp.module import (
 )
 from lamina.strategies.cp.options import ContextParallelOptions
 from lamina.strategies.cp.plan_nodes import build_context_plan, compute_meta
-from lamina.strategies.cp.probe import Probed, cut_inputs, probe_forward
+from lamina.strategies.cp.probe import Probed, probe_forward
 from lamina.strategies.extension import extend_class
 from lamina.strategies.surface import PLACEMENT_KEY
 from lamina.strategies.tp import _on_device
@@ -155,8 +155,18 @@ class ContextParallelStrategy(Strategy):
         layout, args, kwargs, transformers = self._setup(model, ctx, placement, options)
         probed = _probe(model, layout, args, kwargs, options.seq_dim, transformers)
         _check_requested(probed, layout, options.attention)
-        step = _local_step(model, layout, args, kwargs, options.seq_dim, transformers)
-        return _Measured(probed, measure_on_job(probed.sites[0], layout, ctx.device, step))
+        group, ranks = ctx.mesh.group_over(placement.shard)
+        step = local_step(
+            model,
+            layout,
+            args,
+            kwargs,
+            options.seq_dim,
+            _extra_kwargs(model, transformers)(layout.positions()),
+            group if len(ranks) > 1 else None,
+        )
+        timed = measure_on_job(probed.sites[0], layout, ctx.device, step)
+        return _Measured(probed, timed)
 
     def plan(
         self,
@@ -333,34 +343,6 @@ def _extra_kwargs(model: nn.Module, transformers: bool) -> Any:
         return added
 
     return extra
-
-
-def _local_step(
-    model: nn.Module, layout: SequenceLayout, args: Any, kwargs: Any, dim: int, transformers: bool
-) -> Any:
-    """This rank's forward + backward of the model on its own tokens with plain attention
-    (gradients left as they were)."""
-    extra = _extra_kwargs(model, transformers)
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        return layout.shard(t, dim)
-
-    cut_args = cut_inputs(tuple(args), layout.length, dim, keep)
-    cut_kwargs = {**cut_inputs(dict(kwargs), layout.length, dim, keep), **extra(layout.positions())}
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def run() -> None:
-        kept = [p.grad for p in params]
-        out = model(*cut_args, **cut_kwargs)
-        leaves = [
-            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if leaves:
-            torch.stack([t.float().sum() for t in leaves]).sum().backward()  # type: ignore[no-untyped-call]
-        for p, g in zip(params, kept, strict=True):
-            p.grad = g
-
-    return run
 
 
 def _probe(

@@ -22,6 +22,7 @@ so every rank prices alike and picks alike; the plan shows each price.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -37,8 +38,18 @@ from lamina.strategies.cp.layout import SequenceLayout
 from lamina.strategies.cp.masks import FULL, Block
 from lamina.strategies.cp.plan_nodes import AttentionSite
 
+
+def _alone() -> None:
+    """No other rank to wait for."""
+
+
 #: Timed runs of the local step (after one that warms up), of which the median counts.
 LOCAL_STEP_RUNS = 3
+#: Timed samples of an attention block (after one that warms up), and the seconds one
+#: sample lasts at least (the block called over and over): long enough that every rank
+#: computes while any is timed.
+BLOCK_RUNS = 3
+SAMPLE_S = 0.05
 #: Ties go to the first: overlap first, then one collective.
 PREFERENCE = ("pass_kv", "all_gather", "all_to_all")
 
@@ -124,23 +135,48 @@ def choose_algorithms(
 
 @dataclass(frozen=True)
 class Timed:
-    """What cp measured on the job before planning (each the slowest rank's seconds):
-    one whole attention block's forward and backward at the first call's shape, and this
-    rank's forward + backward of the model on its own tokens with plain attention (the
-    blocks among its own chunks)."""
+    """What cp measured on the job before planning (each the slowest rank's seconds, the
+    every rank at once so that ranks sharing a device are timed at the share of it they
+    get in the step: one whole attention block's forward and backward at the first
+    call's shape, and this rank's step on its own tokens with the step's synchronisation
+    (:mod:`lamina.strategies.cp.local_step`)."""
 
     block_forward_s: float
     block_backward_s: float
     local_step_s: float
 
 
-def _median(fn: Callable[[], object], runs: int) -> float:
+def _median(
+    fn: Callable[[], object], runs: int, calls: int = 1, together: Callable[[], None] = _alone
+) -> float:
+    """Median seconds of one call of ``fn``: each sample ``calls`` calls in a row, from a
+    barrier (``together``) to the next, so a sample lasts until the slowest rank is done.
+    Ranks sharing cores run in turns as much as side by side; what a sample measures is
+    the time all of them need, as the step does."""
+    fn()  # warms up
     times = []
-    for _ in range(runs + 1):  # the first warms up
+    for _ in range(runs):
+        together()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        for _ in range(calls):
+            fn()
+        together()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _calls_per_sample(fn: Callable[[], object], distributed: bool, device: torch.device) -> int:
+    """Calls of ``fn`` that make a sample of :data:`SAMPLE_S` (the same on every rank, so
+    that all are busy while any is timed)."""
+    fn()  # the first call may be cold
+    start = time.perf_counter()
+    fn()
+    calls = max(1, min(1000, math.ceil(SAMPLE_S / max(time.perf_counter() - start, 1e-6))))
+    if distributed:
+        agreed = torch.tensor([calls], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        calls = int(agreed.item())
+    return calls
 
 
 def measure_on_job(
@@ -149,23 +185,29 @@ def measure_on_job(
     device: torch.device,
     local_step: Callable[[], object],
 ) -> Timed:
-    """:class:`Timed` on this job (collective: every rank, the slowest rank's figures)."""
+    """:class:`Timed` on this job (collective: every rank)."""
     dtype = dtype_from_name(site.dtype)
     shape = (site.batch, site.heads, layout.chunk, site.head_dim)
     q, k, v = (torch.randn(shape, dtype=dtype, device=device) for _ in range(3))
     block = Block(FULL)
     out, lse = _kernel(q, k, v, block, None)
     grad = torch.randn_like(out)
-    together = dist.barrier if dist.is_initialized() else (lambda: None)
-    # every rank starts each measurement at once: ranks sharing a device are timed at
-    # the share of it they get when the step runs
-    together()
-    forward = _median(lambda: _kernel(q, k, v, block, None), 5)
-    together()
-    backward = _median(lambda: _kernel_backward(grad, q, k, v, out, lse, block, None), 5)
-    together()
-    step = _median(local_step, LOCAL_STEP_RUNS)
-    measured = torch.tensor([forward, backward, step], dtype=torch.float64, device=device)
-    if dist.is_initialized():
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    together = dist.barrier if distributed else _alone
+
+    def forward_block() -> None:
+        _kernel(q, k, v, block, None)
+
+    def backward_block() -> None:
+        _kernel_backward(grad, q, k, v, out, lse, block, None)
+
+    timed = []
+    for fn in (forward_block, backward_block):
+        calls = _calls_per_sample(fn, distributed, device)
+        timed.append(_median(fn, BLOCK_RUNS, calls, together))
+    timed.append(_median(local_step, LOCAL_STEP_RUNS, 1, together))
+    measured = torch.tensor(timed, dtype=torch.float64, device=device)
+    if distributed:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    return Timed(*(float(x) for x in measured.tolist()))
+    forward, backward, step = (float(x) for x in measured.tolist())
+    return Timed(forward, backward, step)
