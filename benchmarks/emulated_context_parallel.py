@@ -16,7 +16,10 @@ backward and gradient sync (what the plan holds; SGD's update runs after the tim
 as the plan does not price the optimizer), median.
 
 The prediction is ``lamina.simulate.predict`` on each model's plan. The cluster is
-declared from the probed links and the mesh ``{"inter": 2, "intra": 2}``. The step is the
+declared with the mesh ``{"inter": 2, "intra": 2}`` and the links calibrated on the job
+(gloo's hierarchical phases inside and across the hosts timed at two sizes,
+:func:`lamina.comm.calibrate.calibrate`), as a user describes a cluster from measured
+links. The step is the
 measured local compute plus the blocks cp adds, the ring's exposed transfers and the
 collectives. The local compute is each rank's step on its own tokens with a one-element
 all-reduce where the step exchanges (every rank timed at once, so each at its share of
@@ -24,7 +27,8 @@ the 2 cores the 4 ranks run on, and waiting for the last as in the step).
 
 Each of ``--repeats`` (3) sittings distributes the models again (cp measures and plans
 anew) and times them. The table and the JSON (``results/emulated_context_parallel.json``)
-give both figures and their ratio per sitting, and how many ratios are within 15%.
+give both figures and their ratio per sitting, how many ratios are within 15%, and each
+algorithm's median prediction over its median measured step.
 Needs root::
 
     python benchmarks/emulated_context_parallel.py [--link 200mbit] [--rounds 4] [--steps 3]
@@ -55,25 +59,52 @@ ALGORITHMS = ("pass_kv", "all_gather", "all_to_all")
 VOCAB = 64
 
 
-def _cluster(runtime: lamina.Runtime) -> Any:
-    from lamina.simulate import cluster_from_dict
+def _links(runtime: lamina.Runtime) -> dict[str, dict[str, float]]:
+    """The intra- and inter-host links calibrated on the job: gloo's own hierarchical
+    phases timed at two sizes, a straight line through them per link class
+    (:func:`lamina.comm.calibrate.calibrate`; collective)."""
+    from lamina.comm.algorithms import AlgorithmGroups
+    from lamina.comm.calibrate import calibrate
+    from lamina.comm.cost import CostModel
+    from lamina.comm.layout import HostLayout
 
     topology = runtime.topology
-    inter, intra = topology.link(0, 1), topology.link(0, 2)  # across hosts; inside host 0
+    groups = AlgorithmGroups(HostLayout.of(topology), runtime.rank, pg_backend="gloo")
+    try:
+        model = calibrate(
+            groups,
+            CostModel.from_topology(topology),
+            device=runtime.device,
+            sync=runtime.handle.synchronize,
+        )
+    finally:
+        groups.close()
+    return {
+        name: {"bandwidth_gbps": cost.bandwidth_gbps, "latency_us": cost.alpha_s * 1e6}
+        for name, cost in (("intra", model.intra), ("inter", model.inter))
+    }
+
+
+def _cluster(links: dict[str, dict[str, float]]) -> Any:
+    from lamina.simulate import cluster_from_dict
+
     return cluster_from_dict(
         {
             "hosts": 2,
             "devices_per_host": 2,
-            "intra": {"bandwidth_gbps": intra.bandwidth_gbps, "latency_us": intra.latency_us},
-            "inter": {"bandwidth_gbps": inter.bandwidth_gbps, "latency_us": inter.latency_us},
+            **links,
             "mesh": {"inter": 2, "intra": 2},
         },
-        "the probed emulated cluster",
+        "the emulated cluster, links calibrated on the job",
     )
 
 
 def _sitting(
-    args: argparse.Namespace, runtime: lamina.Runtime, x: torch.Tensor, y: torch.Tensor
+    args: argparse.Namespace,
+    runtime: lamina.Runtime,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    links: dict[str, dict[str, float]],
 ) -> dict[str, dict[str, Any]]:
     """One repeat: every algorithm's model distributed (cp measures and plans again),
     predicted, then timed in rounds; rank 0's rows (empty elsewhere)."""
@@ -90,7 +121,7 @@ def _sitting(
         )
         models[algorithm] = model
         optimizers[algorithm] = torch.optim.SGD(model.parameters(), lr=0.01)
-    cluster = _cluster(runtime)
+    cluster = _cluster(links)
     from lamina.simulate import predict
 
     predicted = {a: predict(models[a].execution_plan, cluster) for a in ALGORITHMS}
@@ -136,8 +167,9 @@ def run(args: argparse.Namespace) -> None:
     x = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
     y = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
     repeats = []
+    links = _links(runtime)
     for repeat in range(args.repeats):
-        repeats.append(_sitting(args, runtime, x, y))
+        repeats.append(_sitting(args, runtime, x, y, links))
         if runtime.rank == 0:
             print(f"repeat {repeat + 1} of {args.repeats} done", flush=True)
     if runtime.rank == 0:
@@ -156,6 +188,20 @@ def run(args: argparse.Namespace) -> None:
         ratios = [r["predicted_over_measured"] for rows in repeats for r in rows.values()]
         within = sum(abs(r - 1) <= 0.15 for r in ratios)
         print(f"{within} of {len(ratios)} predictions within 15% of the measured step")
+        # each algorithm's prediction against its median measured step over the sittings
+        medians = {}
+        for algorithm in ALGORITHMS:
+            measured = statistics.median(r[algorithm]["measured_step_s"] for r in repeats)
+            predicted = statistics.median(r[algorithm]["predicted_step_s"] for r in repeats)
+            medians[algorithm] = {
+                "measured_step_s": measured,
+                "predicted_step_s": predicted,
+                "predicted_over_measured": predicted / measured,
+            }
+            print(
+                f"{algorithm}: median predicted {predicted:.3f} s over median measured "
+                f"{measured:.3f} s = {predicted / measured:.3f}"
+            )
         write_results(
             "emulated_context_parallel",
             args.output,
@@ -164,8 +210,10 @@ def run(args: argparse.Namespace) -> None:
                 "tokens": args.tokens,
                 "model": "GPT d_model 128, 4 layers, 4 heads, vocab 64; SGD",
                 "mesh": "inter 2 x intra 2 (cp on intra, replicated over inter), ranks interleaved",
+                "links_calibrated": links,
                 "repeats": repeats,
                 "within_15_percent": f"{within} of {len(ratios)}",
+                "medians": medians,
             },
         )
     lamina.shutdown()
