@@ -3,7 +3,9 @@
 Three algorithms (:data:`ALGORITHMS`), each exact (:mod:`.blocks`), forward and backward:
 
 - ``all_gather``: every rank's keys and values gathered in one collective, attention
-  block by block, the key/value gradients reduce-scattered back to their owners;
+  block by block; backward gathers them again (so the whole sequence's keys and values
+  are not held from forward to backward) and reduce-scatters their gradients back to
+  their owners;
 - ``pass_kv``: keys and values passed rank to rank around the ring, each transfer
   overlapped with the attention of the block that arrived before; in backward the
   key/value gradients travel with them and arrive home after a full turn;
@@ -53,8 +55,7 @@ def attend(
     """``scaled_dot_product_attention(q, k, v)`` over the global sequence, each tensor
     holding this rank's tokens."""
     if algorithm == "all_gather":
-        k_all, v_all = _GatherKeys.apply(k, v, cp, call.site)  # type: ignore[no-untyped-call]
-        out: torch.Tensor = _AttendGathered.apply(q, k_all, v_all, cp, call)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _AllGatherAttention.apply(q, k, v, cp, call)  # type: ignore[no-untyped-call]
         return out
     if algorithm == "pass_kv":
         ringed: torch.Tensor = _RingAttention.apply(q, k, v, cp, call)  # type: ignore[no-untyped-call]
@@ -80,46 +81,35 @@ def _all_chunks(cp: ContextGroup) -> tuple[int, ...]:
     return tuple(c for r in range(cp.size) for c in cp.layout.chunks_of(r))
 
 
-class _GatherKeys(torch.autograd.Function):
-    """Keys and values of every rank (gathered order) in one all-gather; backward:
-    their gradients reduce-scattered to the ranks holding them."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, site: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.cp, ctx.site = cp, site
-        nodes = site_nodes(site)
-        parts = all_gather_flat(torch.stack([k, v]), cp, nodes.gather, backward=False)
-        b, h, s, d = k.shape
-        # (cp, 2, b, h, s, d) -> 2 x (b, h, cp * s, d)
-        whole = parts.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, cp.size * s, d)
-        return whole[0], whole[1]
-
-    @staticmethod
-    def backward(ctx: Any, dk: torch.Tensor, dv: torch.Tensor) -> tuple[Any, ...]:
-        cp: ContextGroup = ctx.cp
-        b, h, total, d = dk.shape
-        stacked = torch.stack([dk, dv]).reshape(2, b, h, cp.size, total // cp.size, d)
-        mine = reduce_scatter_flat(
-            stacked.permute(3, 0, 1, 2, 4, 5), cp, site_nodes(ctx.site).scatter, backward=True
-        )
-        return mine[0], mine[1], None, None
+def _gathered(
+    k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, node: str, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's keys and values (gathered order) in one all-gather."""
+    parts = all_gather_flat(torch.stack([k, v]), cp, node, backward=backward)
+    b, h, s, d = k.shape
+    # (cp, 2, b, h, s, d) -> 2 x (b, h, cp * s, d)
+    whole = parts.permute(1, 2, 3, 0, 4, 5).reshape(2, b, h, cp.size * s, d)
+    return whole[0], whole[1]
 
 
-class _AttendGathered(torch.autograd.Function):
-    """This rank's queries over gathered keys and values, block by block."""
+class _AllGatherAttention(torch.autograd.Function):
+    """This rank's queries over every rank's keys and values, gathered in one
+    all-gather and attended block by block; backward gathers them again (the whole
+    sequence's keys and values are not kept from forward to backward) and
+    reduce-scatters their gradients to the ranks holding them."""
 
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextGroup, call: Call
     ) -> torch.Tensor:
+        nodes = site_nodes(call.site)
+        k_all, v_all = _gathered(k, v, cp, nodes.gather, backward=False)
         engine = _engine(cp, call)
         chunks = cp.layout.local_chunks
         running = [Running() for _ in chunks]
-        engine.forward(running, q, chunks, k, v, _all_chunks(cp))
+        engine.forward(running, q, chunks, k_all, v_all, _all_chunks(cp))
         out, outs, lses = finish(running, q.dtype)
-        ctx.engine, ctx.cp = engine, cp
+        ctx.engine, ctx.cp, ctx.site = engine, cp, call.site
         ctx.save_for_backward(q, k, v, *outs, *lses)
         return out
 
@@ -128,11 +118,18 @@ class _AttendGathered(torch.autograd.Function):
         q, k, v, outs, lses = _saved(ctx)
         engine: BlockAttention = ctx.engine
         cp: ContextGroup = ctx.cp
+        nodes = site_nodes(ctx.site)
+        k_all, v_all = _gathered(k, v, cp, nodes.regather, backward=True)
         chunks = cp.layout.local_chunks
         grads = [c.contiguous() for c in torch.split(grad, engine.chunk, dim=2)]
         dq = [torch.zeros_like(g) for g in grads]
-        dk, dv = engine.backward(dq, grads, q, chunks, outs, lses, k, v, _all_chunks(cp))
-        return torch.cat(dq, dim=2), dk, dv, None, None
+        dk, dv = engine.backward(dq, grads, q, chunks, outs, lses, k_all, v_all, _all_chunks(cp))
+        b, h, total, d = dk.shape
+        stacked = torch.stack([dk, dv]).reshape(2, b, h, cp.size, total // cp.size, d)
+        mine = reduce_scatter_flat(
+            stacked.permute(3, 0, 1, 2, 4, 5), cp, nodes.scatter, backward=True
+        )
+        return torch.cat(dq, dim=2), mine[0], mine[1], None, None
 
 
 class _RingAttention(torch.autograd.Function):

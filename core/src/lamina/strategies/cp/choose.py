@@ -6,8 +6,9 @@ For a call of ``B`` sequences, ``H`` query and ``Hkv`` key/value heads of dim ``
 elements, and a message costs ``alpha + bytes * beta`` on the group's slowest link
 (:class:`~lamina.comm.cost.LinkCost`):
 
-- ``all_gather``: a ring all-gather forward and a ring reduce-scatter backward of the
-  keys and values, ``2 (n - 1)`` messages of ``kv``, none overlapped;
+- ``all_gather``: a ring all-gather forward, and backward the same all-gather again
+  and a ring reduce-scatter of the keys' and values' gradients, ``3 (n - 1)`` messages
+  of ``kv``, none overlapped;
 - ``pass_kv``: ``n - 1`` forward steps, each message hidden behind the attention of the
   block that arrived before (only what exceeds it is paid); backward the keys again
   (hidden behind backward's attention, twice forward's) and ``n`` messages of their
@@ -94,7 +95,7 @@ def price(
     per_pair = len(layout.local_chunks) ** 2 * (0.5 if site.causal else 1.0)
     compute = block_s * per_pair
     message = link.time(kv)
-    ring = 2 * (n - 1) * message
+    ring = 3 * (n - 1) * message
     passed = (n - 1) * max(0.0, message - compute) + (n - 1) * max(0.0, message - 2 * compute)
     passed += n * message
     width = (site.heads + 2 * site.kv_heads) * site.batch * local * site.head_dim * item

@@ -80,6 +80,10 @@ class SiteNodes:
         return self._id("gather_kv")
 
     @property
+    def regather(self) -> str:
+        return self._id("regather_kv")
+
+    @property
     def scatter(self) -> str:
         return self._id("scatter_kv_grad")
 
@@ -218,6 +222,7 @@ def build_context_plan(
         if algorithm == "all_gather":
             what = f"attention {site.index}: keys and values"
             collective(ids.gather, "forward", "all_gather", n * kv, site.dtype, what)
+            collective(ids.regather, "backward", "all_gather", n * kv, site.dtype, what + " again")
             collective(
                 ids.scatter, "backward", "reduce_scatter", n * kv, site.dtype, what + " gradients"
             )
