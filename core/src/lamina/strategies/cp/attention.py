@@ -73,6 +73,15 @@ def _saved(ctx: Any) -> tuple[Any, ...]:
     return q, k, v, list(rest[:half]), list(rest[half:])
 
 
+def _backward_inputs(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """What a block-wise backward starts from: the saved tensors (:func:`_saved`), the
+    output's gradient cut into the engine's chunks, and zero query gradients for them."""
+    q, k, v, outs, lses = _saved(ctx)
+    grads = [c.contiguous() for c in torch.split(grad, ctx.engine.chunk, dim=2)]
+    dq = [torch.zeros_like(g) for g in grads]
+    return q, k, v, outs, lses, grads, dq
+
+
 def _engine(cp: ContextGroup, call: Call) -> BlockAttention:
     return BlockAttention(call.masking, cp.layout.chunk, call.scale)
 
@@ -115,14 +124,12 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, outs, lses = _saved(ctx)
+        q, k, v, outs, lses, grads, dq = _backward_inputs(ctx, grad)
         engine: BlockAttention = ctx.engine
         cp: ContextGroup = ctx.cp
         nodes = site_nodes(ctx.site)
         k_all, v_all = _gathered(k, v, cp, nodes.regather, backward=True)
         chunks = cp.layout.local_chunks
-        grads = [c.contiguous() for c in torch.split(grad, engine.chunk, dim=2)]
-        dq = [torch.zeros_like(g) for g in grads]
         dk, dv = engine.backward(dq, grads, q, chunks, outs, lses, k_all, v_all, _all_chunks(cp))
         b, h, total, d = dk.shape
         stacked = torch.stack([dk, dv]).reshape(2, b, h, cp.size, total // cp.size, d)
@@ -162,13 +169,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, outs, lses = _saved(ctx)
+        q, k, v, outs, lses, grads, dq = _backward_inputs(ctx, grad)
         engine: BlockAttention = ctx.engine
         cp: ContextGroup = ctx.cp
         nodes = site_nodes(ctx.site)
         chunks = cp.layout.local_chunks
-        grads = [c.contiguous() for c in torch.split(grad, engine.chunk, dim=2)]
-        dq = [torch.zeros_like(g) for g in grads]
         kv = torch.stack([k, v])
         dkv = torch.zeros_like(kv)
         for step in range(cp.size):
