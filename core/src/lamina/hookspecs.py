@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lamina.device.kernels import KernelRegistry
     from lamina.device.topology import HostTopology
     from lamina.strategies.contract import Strategy
+    from lamina.strategies.ep.dispatch import Dispatcher
 
 #: The pluggy project name; also the entry-point group plugins are found in.
 PROJECT = "lamina"
@@ -98,4 +99,17 @@ def lamina_register_codecs() -> list[Codec]:
     strategy, codec=NAME)``). Each item must be a :class:`lamina.comm.codecs.Codec` with a
     name no other codec has (bf16, fp16 and fp8 are built in). A plugin whose answer is not
     a list of codecs, or reuses a name, is recorded as failed and its codecs are ignored.
+    """
+
+
+@hookspec
+def lamina_register_dispatchers() -> list[Dispatcher]:
+    """Return the MoE token dispatchers this plugin provides (may be empty).
+
+    Called once, the first time a dispatcher is looked up by name. Each item must be a
+    :class:`lamina.strategies.ep.dispatch.Dispatcher` with a name no other dispatcher has
+    (``all_to_all`` is built in); :func:`lamina.testing.dispatchers.check_dispatcher`
+    checks one against the whole layer in one process. A plugin whose answer is not a
+    list of dispatchers, or reuses a name, is recorded as failed and its dispatchers are
+    ignored.
     """

@@ -1,4 +1,10 @@
-"""Dropless token dispatch over the ep group: :class:`AllToAllDispatcher`.
+"""Dropless token dispatch over the ep group: the :class:`Dispatcher` contract and the
+built-in :class:`AllToAllDispatcher`.
+
+A dispatcher is a plugin point (``lamina_register_dispatchers``, :mod:`.registry`): a
+backend can ship a faster one (fused permutes, a device-initiated exchange) without
+touching core; :func:`lamina.testing.dispatchers.check_dispatcher` checks one against
+the whole layer in one process.
 
 An MoE layer's ``E`` experts lie on the ``n`` ranks of the ep group, ``E / n``
 consecutive experts a rank. Each rank routes its own tokens (each token's top ``k``
@@ -22,10 +28,11 @@ log, under the plan node :class:`DispatchNodes` names).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -159,27 +166,49 @@ def _by_expert(received: torch.Tensor) -> torch.Tensor:
     return base + torch.arange(int(sizes.sum()), device=received.device)
 
 
-class AllToAllDispatcher:
-    """Dropless dispatch of an MoE layer's tokens over ``ep`` (see the module)."""
+class Dispatcher(ABC):
+    """How an MoE layer's tokens reach the experts that hold them and come back: the
+    contract a plugin implements (one instance serves every layer and group)."""
 
-    name = "all_to_all"
+    #: The name ``dispatcher=`` takes.
+    name: ClassVar[str]
 
-    def __init__(self, ep: ExpertGroup, issuing: Issuing = untracked) -> None:
-        self.ep = ep
-        self.issuing = issuing
-
+    @abstractmethod
     def dispatch(
         self,
+        ep: ExpertGroup,
         hidden: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         experts: ExpertsFn,
         layer: int = 0,
+        issuing: Issuing = untracked,
     ) -> torch.Tensor:
         """Each token of ``hidden`` (``(tokens, dim)``) through its ``top_k_index``
-        experts (``(tokens, k)``, global expert ids), weighted by ``top_k_weights`` and
-        summed: what the whole layer computes on one rank, with the experts spread."""
-        ep, nodes = self.ep, DispatchNodes(layer)
+        experts (``(tokens, k)``, global ids over ``ep``), weighted by ``top_k_weights``
+        and summed, with this rank's experts computed by ``experts`` (the tokens grouped
+        by local expert, and each one's count). Collective over ``ep``; every exchange
+        announced to ``issuing`` under :class:`DispatchNodes` ``(layer)``'s ids; autograd
+        flows to ``hidden``, ``top_k_weights`` and the experts."""
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Dropless dispatch in two all-to-alls of uneven splits (see the module)."""
+
+    name = "all_to_all"
+
+    def dispatch(
+        self,
+        ep: ExpertGroup,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        experts: ExpertsFn,
+        layer: int = 0,
+        issuing: Issuing = untracked,
+    ) -> torch.Tensor:
+        """See :meth:`Dispatcher.dispatch`."""
+        nodes = DispatchNodes(layer)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= ep.experts):
@@ -191,20 +220,20 @@ class AllToAllDispatcher:
         token_of = order // k
         counts = torch.bincount(flat, minlength=ep.experts)
         received = torch.empty_like(counts)
-        with self.issuing(nodes.counts, "all_to_all", _nbytes(counts), False):
+        with issuing(nodes.counts, "all_to_all", _nbytes(counts), False):
             dist.all_to_all_single(received, counts, group=ep.group)
         received = received.reshape(ep.size, ep.local)
         send = counts.reshape(ep.size, ep.local).sum(1).tolist()
         receive = received.sum(1).tolist()
         sent = hidden[token_of]
         arrived = _Exchange.apply(  # type: ignore[no-untyped-call]
-            sent, send, receive, ep, self.issuing, (nodes.tokens, nodes.tokens_grad)
+            sent, send, receive, ep, issuing, (nodes.tokens, nodes.tokens_grad)
         )
         regroup = _by_expert(received)
         computed = experts(arrived[regroup], received.sum(0).tolist())
         back = computed[torch.argsort(regroup)]
         results = _Exchange.apply(  # type: ignore[no-untyped-call]
-            back, receive, send, ep, self.issuing, (nodes.results, nodes.results_grad)
+            back, receive, send, ep, issuing, (nodes.results, nodes.results_grad)
         )
         weights = top_k_weights.reshape(-1)[order].to(results.dtype)
         combined = torch.zeros_like(hidden, dtype=results.dtype)
@@ -215,6 +244,7 @@ class AllToAllDispatcher:
 __all__ = [
     "AllToAllDispatcher",
     "DispatchNodes",
+    "Dispatcher",
     "ExpertGroup",
     "ExpertsFn",
     "Issuing",
