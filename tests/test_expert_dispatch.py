@@ -5,9 +5,11 @@ layout) with top-2 routing, against the whole layer in one process on the same t
 (:func:`lamina.testing.dispatchers.check_dispatcher`): each rank's output, its tokens'
 and router's gradients, and its experts' gradients (from every rank's tokens) equal;
 every exchange announced in order, forward and backward; a rank with no token takes part
-without a hang. A plugin's dispatcher is found by name through
-``lamina_register_dispatchers`` and checked by the same kit, which catches one that
-drops the router weights; a plugin reusing a name, or answering something else, fails.
+without a hang. The MoE layers of transformers' Mixtral and Qwen3-MoE are found with
+their expert counts and top-k; a dense model is a one-line error. A plugin's dispatcher
+is found by name through ``lamina_register_dispatchers`` and checked by the same kit,
+which catches one that drops the router weights; a plugin reusing a name, or answering
+something else, fails.
 """
 
 from __future__ import annotations
@@ -15,12 +17,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fake_distributions import install_fake_distribution
 from lamina.errors import ConfigError
 from lamina.plugins import get_registry
-from lamina.strategies.ep import AllToAllDispatcher, ExpertGroup, dispatchers, resolve_dispatcher
+from lamina.strategies.ep import (
+    AllToAllDispatcher,
+    ExpertGroup,
+    dispatchers,
+    find_moe_layers,
+    resolve_dispatcher,
+)
 from lamina.testing.dispatchers import check_dispatcher_on_ranks
+from modern_models import qwen3_moe
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -122,3 +132,47 @@ def test_plugin_dispatchers_are_found_by_name_and_checked_against_the_layer(
     message = str(wrong.value)
     assert "dispatcher 'unweighted' differs from the whole layer in one process: rank 0:" in message
     assert "output differs by" in message and "router gradient differs by" in message
+
+
+# -- finding the MoE layers ----------------------------------------------------------------
+
+
+def _mixtral(layers: int = 2) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return MixtralForCausalLM(config)
+
+
+def test_moe_layers_of_mixtral_and_qwen3_moe_are_found_with_their_top_k() -> None:
+    tokens = torch.randint(0, 64, (2, 16))
+    mixtral = _mixtral()
+    found = find_moe_layers(mixtral, lambda: mixtral(tokens))
+    assert [layer.describe() for layer in found] == [
+        f"model.layers.{i}.mlp.experts: 8 experts (32 -> 48), top-2" for i in range(2)
+    ]
+    qwen = qwen3_moe()
+    found = find_moe_layers(qwen, lambda: qwen(tokens))
+    assert [(layer.name, layer.experts, layer.top_k) for layer in found] == [
+        (f"model.layers.{i}.mlp.experts", 4, 2) for i in range(2)
+    ]
+
+
+def test_a_model_without_moe_layers_is_one_line() -> None:
+    dense = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ConfigError) as error:
+        find_moe_layers(dense, lambda: dense(torch.randn(2, 8)))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("strategy 'ep' found no Mixture-of-Experts layer in the model")
