@@ -166,8 +166,11 @@ def qwen3(seed: int = 0, layers: int = 2) -> nn.Module:
     return Qwen3ForCausalLM(config)
 
 
-def qwen3_moe(seed: int = 0, layers: int = 2) -> nn.Module:
-    """transformers' Qwen3-MoE (q/k norms, 4 experts, top-2), small, float32."""
+def qwen3_moe(
+    seed: int = 0, layers: int = 2, experts: int = 4, router_loss: bool = False
+) -> nn.Module:
+    """transformers' Qwen3-MoE (q/k norms, ``experts`` experts, top-2), small, float32;
+    ``router_loss``: its load-balancing loss added to the loss."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
@@ -176,7 +179,7 @@ def qwen3_moe(seed: int = 0, layers: int = 2) -> nn.Module:
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
-        num_experts=4,
+        num_experts=experts,
         num_experts_per_tok=2,
         num_hidden_layers=layers,
         num_attention_heads=4,
@@ -185,5 +188,32 @@ def qwen3_moe(seed: int = 0, layers: int = 2) -> nn.Module:
         max_position_embeddings=64,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
+        output_router_logits=router_loss,
+        router_aux_loss_coef=0.1,
     )
     return Qwen3MoeForCausalLM(config)
+
+
+def mixtral(
+    seed: int = 0, layers: int = 2, experts: int = 8, router_loss: bool = False
+) -> nn.Module:
+    """transformers' Mixtral (``experts`` experts, top-2), small, float32; ``router_loss``:
+    its load-balancing loss added to the loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        output_router_logits=router_loss,
+        router_aux_loss_coef=0.1,
+    )
+    return MixtralForCausalLM(config)

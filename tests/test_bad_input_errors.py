@@ -62,7 +62,7 @@ def test_an_unknown_strategy_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError) as excinfo:
         lamina.distribute(_net(), "fsdp")
     assert _message(excinfo).startswith(
-        "unknown strategy 'fsdp'; choose one of dp, zero3, hsdp, tp, pp, cp (plugins add more"
+        "unknown strategy 'fsdp'; choose one of dp, zero3, hsdp, tp, pp, cp, ep (plugins add more"
     )
 
 

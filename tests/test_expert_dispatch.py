@@ -30,7 +30,7 @@ from lamina.strategies.ep import (
     resolve_dispatcher,
 )
 from lamina.testing.dispatchers import check_dispatcher_on_ranks
-from modern_models import qwen3_moe
+from modern_models import mixtral, qwen3_moe
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -137,28 +137,10 @@ def test_plugin_dispatchers_are_found_by_name_and_checked_against_the_layer(
 # -- finding the MoE layers ----------------------------------------------------------------
 
 
-def _mixtral(layers: int = 2) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return MixtralForCausalLM(config)
-
-
 def test_moe_layers_of_mixtral_and_qwen3_moe_are_found_with_their_top_k() -> None:
     tokens = torch.randint(0, 64, (2, 16))
-    mixtral = _mixtral()
-    found = find_moe_layers(mixtral, lambda: mixtral(tokens))
+    model = mixtral()
+    found = find_moe_layers(model, lambda: model(tokens))
     assert [layer.describe() for layer in found] == [
         f"model.layers.{i}.mlp.experts: 8 experts (32 -> 48), top-2" for i in range(2)
     ]

@@ -146,8 +146,11 @@ class ModelPlacement:
         replica its own share of the data."""
         data = {a for r in self.roles if r.data for a in r.axes}
         # a sharder spanning a split's axis (cp's) shards there, but the split's ranks
-        # see one batch between them
-        data -= {a for r in self.roles if r.role in ("split", "pipeline") for a in r.axes}
+        # see one batch between them; a split that moves tokens to the pieces it cut
+        # (ep's experts) sees a batch on each rank
+        data -= {
+            a for r in self.roles if r.role in ("split", "pipeline") and not r.data for a in r.axes
+        }
         return tuple(a for a, _ in self.mesh if a in data)
 
     def of(self, name: str) -> ParameterPlacement:

@@ -34,11 +34,13 @@ from torch.distributed.tensor import DTensor
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan
+from lamina.runtime.placement import ModelPlacement
 from lamina.strategies.contract import Placement, Strategy, StrategyOptions
 from lamina.strategies.extension import extend_class
 from lamina.strategies.pp.module import PipelinedModule, Pipelining
 from lamina.strategies.registry import get_strategy
 from lamina.strategies.surface import DistributedModule
+from lamina.strategies.tp.state import GlobalViews
 from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with
 
 if TYPE_CHECKING:
@@ -59,6 +61,19 @@ class ComposedModule(DistributedModule):
     """A model distributed by several strategies: one plan holding all their nodes."""
 
     lamina_composed: tuple[ExecutionPlan, ...]
+
+    def step_summary(self) -> str:
+        """The last strategy's summary, after the lines of each earlier strategy whose
+        model class offers ``composed_summary()`` (ep's layers and expert load)."""
+        inner: str = super().step_summary()  # type: ignore[misc]
+        if not self.lamina_composed:  # one strategy: its own summary
+            return inner
+        earlier = [
+            cls.composed_summary(self)  # type: ignore[attr-defined]
+            for cls in type(self).__mro__
+            if "composed_summary" in cls.__dict__
+        ]
+        return "\n".join((*earlier, inner))
 
     @property
     def execution_plan(self) -> ExecutionPlan:
@@ -109,6 +124,7 @@ def distribute_composed(
                     settings[strategy.name], sync_gradients=False
                 )
     where = _placements(chosen, runtime.mesh, placement)
+    _tell_data_axes(chosen, settings, where, runtime.mesh)
     held, plans, over = model, [], None
     for strategy in applied:
         verify_group = None
@@ -127,9 +143,15 @@ def distribute_composed(
         )
         plans.append(held.execution_plan)
         over = held.__dict__.get(DISTRIBUTED_WITH)
-    splitter = next((s for s in chosen if s.role == "split" and not s.shares_axes), None)
-    if sharder is not None and splitter is not None:
-        _attach_views(held, runtime.mesh, where[splitter.name].shard[0], where[sharder.name])
+    for splitter in (s for s in chosen if s.role == "split" and not s.shares_axes):
+        if sharder is not None:
+            _attach_views(
+                held,
+                splitter.name,
+                runtime.mesh,
+                where[splitter.name].shard[0],
+                where[sharder.name],
+            )
     earlier = tuple(plans[:-1])
     if pipelined:
         held = extend_class(held, PipelinedComposedModule, {}, "lamina_composed", earlier)
@@ -147,15 +169,19 @@ class PipelinedComposedModule(ComposedModule):
     step_summary = PipelinedModule.step_summary
 
 
-def _attach_views(model: nn.Module, mesh: DeviceMesh, tp_axis: str, sharded: Placement) -> None:
-    """Tensor parallelism's whole-tensor state-dict views placed beside the sharded
-    strategy's mesh (collective: the combined meshes' groups)."""
-    tp = model.__dict__.get("lamina_tp")
+def _attach_views(
+    model: nn.Module, strategy: str, mesh: DeviceMesh, axis: str, sharded: Placement
+) -> None:
+    """A split's whole-tensor state-dict views (tensor parallelism's layers, expert
+    parallelism's experts: the state ``lamina_<strategy>`` holds) placed beside the
+    sharded strategy's mesh (collective: the combined meshes' groups)."""
+    state = model.__dict__.get(f"lamina_{strategy}")
+    views = getattr(state, "views", None)
     sharded_mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    if tp is None or sharded_mesh is None:
+    if not isinstance(views, GlobalViews) or sharded_mesh is None:
         return
     axes = tuple(a for a in mesh.axis_names if a in (*sharded.shard, *sharded.replicate))
-    tp.views.attach(mesh.torch_mesh, tp_axis, sharded_mesh, axes)
+    views.attach(mesh.torch_mesh, axis, sharded_mesh, axes)
 
 
 def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
@@ -167,7 +193,7 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
     roles = [s.role for s in chosen]
     # a split that leaves every parameter whole (cp) shares the split role with one that
     # cuts them (tp): they split different things (tokens, layers) on their own axes
-    counted = [s.role for s in chosen if not s.shares_axes]
+    counted = [s.role for s in chosen if not s.shares_axes and not s.joins_split]
     repeated = sorted({r for r in roles if counted.count(r) > 1 or roles.count(r) > 2})
     sharing = [s for s in chosen if s.shares_axes]
     if len(sharing) > 1:
@@ -177,7 +203,8 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
         raise ConfigError(
             f"strategies {names}: {twice} both {repeated[0]} the model; compose at most one "
             "strategy of each role (pipeline, split, shard or replicate; cp, which keeps "
-            "parameters whole, may join a split that cuts them)"
+            "parameters whole, and ep, which cuts the experts only, may join a split that "
+            "cuts the layers)"
         )
     named = sorted(chosen, key=lambda s: NAMING_ORDER.index(s.role))
     if [s.name for s in named] != names:
@@ -187,7 +214,9 @@ def check_order(chosen: Sequence[Strategy]) -> list[Strategy]:
         )
     # a sharing split after the split it shares with: tp's plan is derived from a whole
     # forward, cp then probes the split model (its heads as each rank holds them)
-    applied = sorted(chosen, key=lambda s: (APPLY_ORDER.index(s.role), s.shares_axes))
+    applied = sorted(
+        chosen, key=lambda s: (APPLY_ORDER.index(s.role), s.joins_split, s.shares_axes)
+    )
     for at, strategy in enumerate(applied):
         earlier = [s for s in applied[:at] if s.role not in strategy.holds_after]
         if earlier:
@@ -210,6 +239,23 @@ def _compose_hint(strategy: Strategy, earlier: Strategy) -> str:
         return f"use {strategy.name!r} alone"
     roles = " or ".join(sorted(strategy.holds_after))
     return f"compose {strategy.name!r} only after a strategy whose role is {roles}, or alone"
+
+
+def _tell_data_axes(
+    chosen: list[Strategy],
+    settings: dict[str, StrategyOptions],
+    where: Mapping[str, Placement],
+    mesh: DeviceMesh,
+) -> None:
+    """A strategy whose collectives span the job's data replicas (``ep``'s load-balancing
+    loss; option ``data_axes``) is told their axes: those over which the composition's
+    batches differ."""
+    roles = tuple(r for s in chosen for r in s.roles(where[s.name]))
+    data = ModelPlacement(tuple((a, mesh.size(a)) for a in mesh.axis_names), roles).data_axes
+    for strategy in chosen:
+        held = settings[strategy.name]
+        if "data_axes" in strategy.options.names() and getattr(held, "data_axes", None) is None:
+            settings[strategy.name] = replace(held, data_axes=data)  # type: ignore[call-arg]
 
 
 def _route_options(

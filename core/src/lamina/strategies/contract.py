@@ -259,6 +259,10 @@ class Strategy(abc.ABC):
     #: Whether a sharder composed after it spans its axes too: it splits activations
     #: only and leaves every parameter whole there (``cp``).
     shares_axes: ClassVar[bool] = False
+    #: Whether it composes beside another split on its own axis: it cuts parameters no
+    #: other split cuts (``ep``: an MoE layer's stacked experts, which ``tp`` leaves
+    #: whole), and is applied after that split.
+    joins_split: ClassVar[bool] = False
     #: How a loop runs one step of a model it distributed, eagerly (what a refusal to
     #: compile the step says to run instead).
     eager_step: ClassVar[str] = "loss.backward(); optimizer.step()"

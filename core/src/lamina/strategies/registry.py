@@ -16,9 +16,11 @@ from lamina.strategies.contract import Strategy
 
 
 def builtin_strategies() -> list[Strategy]:
-    """dp, zero3, hsdp, tp, pp and cp (imported here, on first use, not when lamina is imported)."""
+    """dp, zero3, hsdp, tp, pp, cp and ep (imported here, on first use, not when lamina
+    is imported)."""
     from lamina.strategies.cp import ContextParallelStrategy
     from lamina.strategies.dp import DataParallelStrategy
+    from lamina.strategies.ep import ExpertParallelStrategy
     from lamina.strategies.hsdp import HybridShardedStrategy
     from lamina.strategies.pp import PipelineStrategy
     from lamina.strategies.tp import TensorParallelStrategy
@@ -31,6 +33,7 @@ def builtin_strategies() -> list[Strategy]:
         TensorParallelStrategy(),
         PipelineStrategy(),
         ContextParallelStrategy(),
+        ExpertParallelStrategy(),
     ]
 
 

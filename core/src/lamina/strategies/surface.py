@@ -109,6 +109,13 @@ def placement_of(model: nn.Module) -> ModelPlacement:
     return held
 
 
+def placed_before(model: nn.Module, strategy: str) -> bool:
+    """Whether a strategy other than ``strategy`` placed ``model`` already (it was
+    composed before: a split that made the ranks agree and cut the model)."""
+    held = model.__dict__.get(PLACEMENT_KEY)
+    return isinstance(held, ModelPlacement) and any(r.strategy != strategy for r in held.roles)
+
+
 def place_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -141,6 +148,7 @@ __all__ = [
     "DataReplica",
     "DistributedModule",
     "place_model",
+    "placed_before",
     "placement_of",
     "role_default",
 ]

@@ -53,7 +53,7 @@ from lamina.strategies.cp.options import ContextParallelOptions
 from lamina.strategies.cp.plan_nodes import build_context_plan, compute_meta
 from lamina.strategies.cp.probe import Probed, probe_forward
 from lamina.strategies.extension import extend_class
-from lamina.strategies.surface import PLACEMENT_KEY
+from lamina.strategies.surface import placed_before
 from lamina.strategies.tp import _on_device
 from lamina.strategies.tp.activation_ops import StepLog
 
@@ -229,7 +229,7 @@ class ContextParallelStrategy(Strategy):
             backend,
             sync_label,
             meta,
-            broadcast=PLACEMENT_KEY not in model.__dict__,
+            broadcast=not placed_before(model, self.name),
             sync_algorithms={
                 k: f for k, c in sync_choices.items() if (f := algorithm_fact(c)) is not None
             },
@@ -242,7 +242,7 @@ class ContextParallelStrategy(Strategy):
         state = tuple(t for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
         # the whole model from rank 0, unless a strategy applied before (tp) already made
         # the ranks agree and cut it: its pieces differ across its axis
-        held_before = PLACEMENT_KEY in model.__dict__
+        held_before = placed_before(model, self.name)
         return PlannedStep(
             model,
             plan,

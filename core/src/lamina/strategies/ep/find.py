@@ -30,6 +30,9 @@ class MoeLayer:
     hidden: int
     intermediate: int
     top_k: int
+    #: Rows of tokens one forward of the example batch gave it, and their dtype.
+    tokens: int = 0
+    dtype: torch.dtype = torch.float32
 
     def describe(self) -> str:
         return (
@@ -51,10 +54,16 @@ def _stacked(module: nn.Module) -> tuple[int, int, int] | None:
     return int(gate_up.shape[0]), int(gate_up.shape[2]), int(down.shape[2])
 
 
+def stacked_modules(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """The modules of ``model`` holding stacked expert weights, by name: (experts,
+    hidden, intermediate)."""
+    return {name: shape for name, m in model.named_modules() if (shape := _stacked(m))}
+
+
 def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer, ...]:
     """The MoE layers of ``model`` (see the module); ``run`` calls its forward on the
     example inputs."""
-    shapes = {name: shape for name, m in model.named_modules() if (shape := _stacked(m))}
+    shapes = stacked_modules(model)
     if not shapes:
         raise ConfigError(
             "strategy 'ep' found no Mixture-of-Experts layer in the model: it looks for an "
@@ -62,7 +71,7 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
             "down_proj, as transformers 5 stores Mixtral's and Qwen3-MoE's) called with the "
             "tokens, their top-k expert ids and weights; use a strategy without 'ep'"
         )
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, int, torch.dtype]] = {}
     handles = []
     for name in shapes:
 
@@ -74,7 +83,8 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
                 and index.dim() == 2
                 and not index.is_floating_point()
             ):
-                seen[name] = int(index.shape[1])
+                hidden = args[0]
+                seen[name] = (int(index.shape[1]), int(hidden.shape[0]), hidden.dtype)
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(called))
     try:
@@ -83,9 +93,7 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
     finally:
         for handle in handles:
             handle.remove()
-    layers = tuple(
-        MoeLayer(name, *shapes[name], top_k=seen[name]) for name in shapes if name in seen
-    )
+    layers = tuple(MoeLayer(name, *shapes[name], *seen[name]) for name in shapes if name in seen)
     if not layers:
         raise ConfigError(
             f"strategy 'ep': the modules holding stacked expert weights ({', '.join(shapes)}) "
@@ -95,4 +103,4 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
     return layers
 
 
-__all__ = ["MoeLayer", "find_moe_layers"]
+__all__ = ["MoeLayer", "find_moe_layers", "stacked_modules"]

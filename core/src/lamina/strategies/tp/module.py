@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
-from lamina.strategies.surface import DistributedModule
+from lamina.strategies.split_state import SplitStateModule
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.loss_parallel import HeadOutputs
@@ -34,10 +31,15 @@ class TensorParallelism:
     allow_meta: bool = False
 
 
-class TensorParallelModule(DistributedModule):
+class TensorParallelModule(SplitStateModule):
     """A model split by ``tp``: parameters are this rank's slices under their own names."""
 
     lamina_tp: TensorParallelism
+
+    @property
+    def split_views(self) -> GlobalViews:
+        """Its split parameters' whole-tensor views."""
+        return self.lamina_tp.views
 
     @property
     def execution_plan(self) -> ExecutionPlan:
@@ -67,58 +69,3 @@ class TensorParallelModule(DistributedModule):
                 "first forward"
             )
         return super().forward(*args, **kwargs)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's ``state_dict``, each split parameter a ``DTensor`` of the whole tensor
-        (:mod:`.state`; ``keep_vars=True``: the parameters themselves)."""
-        state = super().state_dict(*args, **kwargs)
-        if kwargs.get("keep_vars") or (len(args) > 2 and args[2]):
-            return state
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-        views = self.lamina_tp.views
-        for key in list(state):
-            state[key] = views.to_global(key[len(prefix) :], state[key])
-        return state
-
-    def optimizer_state_to_global(self, optim_state: dict[str, Any]) -> dict[str, Any]:
-        """An optimizer state dict by parameter name (``get_state_dict``'s) with each
-        split parameter's state tensors as whole-tensor DTensors, as its parameter is in
-        ``state_dict()``: what a checkpoint saves (collective, as saving is)."""
-        return _map_optimizer(optim_state, self.lamina_tp.views.to_global)
-
-    def optimizer_state_to_local(self, optim_state: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`optimizer_state_to_global` undone: each state tensor in its parameter's
-        own form (this rank's piece), for ``set_state_dict``."""
-        targets = super().state_dict(keep_vars=True)
-        views = self.lamina_tp.views
-
-        def local(name: str, value: Any) -> Any:
-            target = targets.get(name)
-            return value if target is None else views.to_local(name, value, target)
-
-        return _map_optimizer(optim_state, local)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """torch's ``load_state_dict``, from whole-tensor DTensors (a checkpoint of
-        any layout) or whole plain tensors: each rank keeps its piece."""
-        targets = super().state_dict(keep_vars=True)
-        views = self.lamina_tp.views
-        state = {
-            key: views.to_local(key, value, targets[key]) if key in targets else value
-            for key, value in state_dict.items()
-        }
-        return super().load_state_dict(state, strict=strict, assign=assign)
-
-
-def _map_optimizer(optim_state: dict[str, Any], fn: Any) -> dict[str, Any]:
-    """``optim_state`` with ``fn(name, tensor)`` applied to every per-parameter state
-    tensor shaped like its parameter (scalars such as Adam's ``step`` stay)."""
-    mapped: dict[str, Any] = {}
-    for name, entry in optim_state.get("state", {}).items():
-        mapped[name] = {
-            key: fn(name, value) if isinstance(value, torch.Tensor) and value.dim() else value
-            for key, value in entry.items()
-        }
-    return {**optim_state, "state": mapped}
