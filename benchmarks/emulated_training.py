@@ -50,16 +50,21 @@ def relaunch_emulated(link: str, script: str = __file__) -> None:
     sys.exit(run_emulated(link, script, sys.argv[1:]))
 
 
-def run_emulated(link: str, script: str, argv: list[str]) -> int:
-    """Run ``script argv`` as the job of 2 emulated hosts x 2 ranks joined by ``link``;
-    its exit status."""
+def run_emulated(link: str, script: str, argv: list[str], rank_order: str = "interleaved") -> int:
+    """Run ``script argv`` as the job of 2 emulated hosts x 2 ranks joined by ``link``
+    (ranks ``interleaved`` across the hosts, or ``ordered`` host by host); its exit
+    status."""
     if os.geteuid() != 0:
         sys.exit(f"{os.path.basename(script)}: lamina emulate needs root (network namespaces)")
     cmd = [
         sys.executable, "-m", "lamina.cli.main", "emulate", "--hosts", "2",
-        "--nproc-per-host", "2", "--link", link, "--rank-order", "interleaved",
-        "--timeout", "1500", "--", "lamina", "run", os.path.abspath(script), *argv,
+        "--nproc-per-host", "2", "--link", link, "--rank-order", rank_order,
+        "--timeout", "1500", "--",
     ]  # fmt: skip
+    # one task per host (ordered) runs the script through `lamina run` with the host's
+    # ranks; one task per rank (interleaved) runs `lamina run` as given
+    launch = [] if rank_order == "ordered" else ["lamina", "run"]
+    cmd += [*launch, os.path.abspath(script), *argv]
     env = {**os.environ, INNER_ENV: "1", "LAMINA_TOPOLOGY": "probe"}
     return subprocess.call(cmd, env=env)
 

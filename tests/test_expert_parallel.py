@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +37,10 @@ BATCH, SEQ, STEPS = 2, 16, 5
 MODELS = {
     "mixtral": lambda: mixtral(seed=0, experts=8, router_loss=True),
     "qwen3_moe": lambda: qwen3_moe(seed=0, experts=8, router_loss=True),
+}
+PLAIN_MODELS = {
+    "mixtral": lambda: mixtral(seed=0, experts=8),
+    "qwen3_moe": lambda: qwen3_moe(seed=0, experts=8),
 }
 
 
@@ -53,8 +58,15 @@ def _local_numel(tensors: list[torch.Tensor]) -> int:
     return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() for t in tensors)
 
 
+def _next_token(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss a pipeline's last stage computes from the logits."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
 def _train(strategies: list[str], name: str, optimizer: str) -> dict[str, Any]:
-    reference = MODELS[name]()
+    pipelined = "pp" in strategies
+    # a pipeline's loss is the user's loss_fn on the last stage's logits: no router loss
+    reference = MODELS[name]() if not pipelined else PLAIN_MODELS[name]()
     ours = copy.deepcopy(reference)
     if dist.get_rank():  # other weights: the setup broadcast makes rank 0's everyone's
         torch.manual_seed(dist.get_rank())
@@ -63,7 +75,8 @@ def _train(strategies: list[str], name: str, optimizer: str) -> dict[str, Any]:
                 p.normal_()
     g = torch.Generator().manual_seed(1)
     xs = torch.randint(0, VOCAB, (STEPS * 4, BATCH, SEQ), generator=g)
-    model = lamina.distribute(ours, strategies, example_inputs=(xs[0],))
+    extra = {"microbatches": 2} if pipelined else {}
+    model = lamina.distribute(ours, strategies, example_inputs=(xs[0],), **extra)
     replica, replicas = model.data_replica
     make = (
         (lambda p: torch.optim.SGD(p, lr=0.1))
@@ -79,11 +92,16 @@ def _train(strategies: list[str], name: str, optimizer: str) -> dict[str, Any]:
     for step in range(STEPS):
         batches = xs[step * replicas : (step + 1) * replicas]
         whole = batches.reshape(-1, SEQ)
-        want = reference(input_ids=whole, labels=whole).loss
-        want.backward()
         mine = batches[replica]
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
+        if pipelined:
+            want = _next_token(reference(input_ids=whole).logits, whole)
+            want.backward()
+            loss = model.step(mine, mine, _next_token)
+        else:
+            want = reference(input_ids=whole, labels=whole).loss
+            want.backward()
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
         for opt in (opt_ref, opt_ours):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -91,7 +109,7 @@ def _train(strategies: list[str], name: str, optimizer: str) -> dict[str, Any]:
         dist.all_reduce(mean)
         mean /= dist.get_world_size()
         loss_errors.append(abs(mean.item() - want.item()) / abs(want.item()))
-        last = state.run_log.current
+        last = state.run_log.current  # under a pipeline: counted over the steps so far
         recorded.append(set(last.issued))
     named = dict(reference.named_parameters())
     diff = max((named[n].detach() - p).abs().max().item() for n, p in _whole(model).items())
@@ -112,7 +130,11 @@ def _train(strategies: list[str], name: str, optimizer: str) -> dict[str, Any]:
         "state_share": _local_numel(expert_state) / whole_experts,
         "state_kinds": len({id(v) for v in expert_state}) // max(len(experts), 1),
         "replicas": replicas,
-        "summary": model.step_summary(),
+        "summary": model.step_summary() if not pipelined else "",
+        "pipelined": pipelined,
+        "held_layers": sorted(
+            n.split(".")[2] for n, _ in model.named_parameters() if n.endswith("gate_up_proj")
+        ),
     }
 
 
@@ -282,8 +304,10 @@ def test_what_ep_cannot_take_is_one_line_before_any_collective(
 CASES_8 = [
     ("tp", ["tp", "ep", "zero3"], "mixtral", "adamw"),
     ("tp", ["tp", "ep", "zero3"], "qwen3_moe", "sgd"),
+    ("pp", ["pp", "ep", "zero3"], "mixtral", "sgd"),
+    ("pp", ["pp", "ep", "zero3"], "qwen3_moe", "adamw"),
 ]
-MESHES_8 = {"tp": {"dp_shard": 2, "ep": 2, "tp": 2}}
+MESHES_8 = {"tp": {"dp_shard": 2, "ep": 2, "tp": 2}, "pp": {"pp": 2, "dp_shard": 2, "ep": 2}}
 
 
 def _job_8() -> dict[str, Any]:
@@ -305,7 +329,7 @@ def results_8() -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("case", CASES_8, ids=_key)
-def test_ep_composed_with_tp_trains_as_one_process(
+def test_ep_composed_with_tp_and_pp_trains_as_one_process(
     results_8: list[dict[str, Any]], case: tuple[Any, ...]
 ) -> None:
     for rank, by_case in enumerate(results_8):
@@ -313,5 +337,12 @@ def test_ep_composed_with_tp_trains_as_one_process(
         assert got["loss"] <= 1e-6, (rank, got)
         assert got["params"] <= 1e-5, (rank, got)
         assert got["replicas"] == 4, got
-        for recorded in got["recorded"]:
-            assert recorded == got["planned"], (rank, recorded, got["planned"])
+        if not got["pipelined"]:
+            for recorded in got["recorded"]:
+                assert recorded == got["planned"], (rank, recorded, got["planned"])
+            continue
+        # a stage exchanges the tokens of its own MoE layers only, and syncs once a step
+        recorded = set(got["recorded"][-1])
+        assert recorded <= set(got["planned"]), (rank, recorded)
+        layers = {n.split(".")[1] for n in recorded if n.startswith("moe.")}
+        assert layers == set(got["held_layers"]) and layers, (rank, layers, got["held_layers"])

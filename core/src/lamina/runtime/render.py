@@ -16,6 +16,9 @@ LAYER_PLAN = "layer_plan"
 CONTEXT_AXIS = "cp_axis"
 BLOCK_FORWARD, BLOCK_BACKWARD = "cp_block_forward_s", "cp_block_backward_s"
 LOCAL_STEP, EXTRA_BLOCKS, RING_BLOCKS = "cp_local_step_s", "cp_extra_blocks", "cp_ring_step_blocks"
+#: Meta keys of an expert-parallel plan the simulator reads: the ep axis and what ep
+#: measured (seconds: a rank's forward and backward on its own batch, every rank at once).
+EXPERT_AXIS, EXPERT_STEP = "ep_axis", "ep_local_step_s"
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:

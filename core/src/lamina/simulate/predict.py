@@ -29,6 +29,7 @@ from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.context import predict_context
+from lamina.simulate.expert import predict_expert
 from lamina.simulate.groups import Groups, check_axes
 from lamina.simulate.memory import ADAMW_BYTES_PER_PARAM, estimate_memory
 from lamina.simulate.pipeline import predict_pipeline
@@ -68,6 +69,7 @@ def predict(
         groups=groups.described(),
         pipeline=predict_pipeline(plan, groups),
         context=predict_context(plan, groups),
+        expert=predict_expert(plan),
     )
 
 

@@ -18,6 +18,7 @@ from lamina.runtime.nodes import Collective
 from lamina.runtime.plan import ExecutionPlan
 from lamina.simulate.cluster import Cluster
 from lamina.simulate.context import ContextPrediction
+from lamina.simulate.expert import ExpertPrediction
 from lamina.simulate.groups import LINKS, Groups
 from lamina.simulate.memory import MemoryEstimate
 from lamina.simulate.pipeline import PipelinePrediction
@@ -48,15 +49,21 @@ class StepPrediction:
     pipeline: PipelinePrediction | None = None
     #: A context-parallel plan's compute and ring (None for other plans).
     context: ContextPrediction | None = None
+    #: An expert-parallel plan's measured compute (None for other plans).
+    expert: ExpertPrediction | None = None
 
     @property
     def step_s(self) -> float:
         """Seconds of one step as predicted: a pipeline's schedule (compute, transfers,
         bubble) then the per-step collectives; a context-parallel step's measured compute
         and its ring's exposed transfers, then the collectives; for other plans the
-        collectives alone (their compute is not modelled)."""
+        collectives alone (their compute is not modelled); an expert-parallel step's
+        measured compute, then its collectives."""
         context = self.context.compute_s + self.context.ring_exposed_s if self.context else 0.0
-        return (self.pipeline.schedule_s if self.pipeline else 0.0) + context + self.total_s
+        expert = self.expert.compute_s if self.expert else 0.0
+        return (
+            (self.pipeline.schedule_s if self.pipeline else 0.0) + context + expert + self.total_s
+        )
 
     @property
     def total_s(self) -> float:
@@ -156,6 +163,13 @@ class StepPrediction:
                 f"step: {_ms(self.step_s)} ms (compute and exposed ring, then "
                 f"{_ms(self.total_s)} ms of collectives)",
             ]
+        if self.expert is not None:
+            lines += [
+                "",
+                *self.expert.lines(),
+                f"step: {_ms(self.step_s)} ms (compute, then {_ms(self.total_s)} ms of "
+                "collectives)",
+            ]
         if self.once:
             total = sum(c.seconds for c in self.once)
             lines.append(
@@ -246,6 +260,7 @@ class StepPrediction:
             "once": [c.to_json() for c in self.once],
             "pipeline": self.pipeline.to_json() if self.pipeline else None,
             "context": self.context.to_json() if self.context else None,
+            "expert": self.expert.to_json() if self.expert else None,
             "step_s": self.step_s,
             "memory": self.memory.to_json(),
             "assumptions": list(self.assumptions),

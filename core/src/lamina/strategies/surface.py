@@ -36,6 +36,12 @@ COORDINATES_KEY = "lamina_coordinates"
 #: Where a sharder composed after a pipeline declares what gathers the stages for a whole
 #: step (``pp``'s engine reads it at each step; :class:`lamina.memory.WholeStepGather`).
 STEP_SHARDING_KEY = "lamina_step_sharding"
+#: Where a strategy applied before a pipeline lists what it syncs once per step (``ep``'s
+#: gradient averages): ``pp``'s engine runs each after the step's gradients are summed
+#: over the microbatches and sharded, instead of after every microbatch's backward.
+STEP_SYNCS_KEY = "lamina_step_syncs"
+#: Where a pipeline composed after another strategy keeps its state on the model.
+PIPELINE_KEY = "lamina_pp"
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,10 @@ def place_model(
 
 __all__ = [
     "COORDINATES_KEY",
+    "PIPELINE_KEY",
     "PLACEMENT_KEY",
     "STEP_SHARDING_KEY",
+    "STEP_SYNCS_KEY",
     "DataReplica",
     "DistributedModule",
     "place_model",

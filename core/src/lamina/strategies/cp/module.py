@@ -31,7 +31,7 @@ from lamina.strategies.cp.comm import ContextGroup, GatherSequence
 from lamina.strategies.cp.masks import Masking, documents_from_positions
 from lamina.strategies.cp.plan_nodes import AttentionSite, gradients_node, output_node
 from lamina.strategies.cp.probe import cut_inputs
-from lamina.strategies.surface import DistributedModule
+from lamina.strategies.surface import PIPELINE_KEY, DistributedModule
 from lamina.verify import PreflightReport
 
 
@@ -122,7 +122,7 @@ class ContextParallelism:
 
 
 #: Where a pipeline composed after cp keeps its state on the model.
-PIPELINED = "lamina_pp"
+PIPELINED = PIPELINE_KEY
 
 
 class _ContextCalls(TorchFunctionMode):

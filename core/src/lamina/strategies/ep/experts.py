@@ -36,13 +36,25 @@ class StackedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """``tokens`` grouped by local expert, ``per_expert[e]`` rows for expert ``e``."""
-        outs = []
-        for e, part in enumerate(torch.split(tokens, per_expert)):
-            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act(gate) * up, self.down_proj[e]))
-        if not outs:
-            return tokens.new_zeros((0, self.down_proj.shape[1]))
-        return torch.cat(outs)
+        return grouped_experts(self.gate_up_proj, self.down_proj, self.act, tokens, per_expert)
 
 
-__all__ = ["StackedExperts"]
+def grouped_experts(
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    per_expert: list[int],
+) -> torch.Tensor:
+    """Stacked experts (``gate_up_proj[e]``, ``down_proj[e]``) on ``tokens`` grouped by
+    expert, ``per_expert[e]`` rows for expert ``e``: one call per expert."""
+    outs = []
+    for e, part in enumerate(torch.split(tokens, per_expert)):
+        gate, up = F.linear(part, gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate) * up, down_proj[e]))
+    if not outs:
+        return tokens.new_zeros((0, down_proj.shape[1]))
+    return torch.cat(outs)
+
+
+__all__ = ["StackedExperts", "grouped_experts"]

@@ -33,6 +33,8 @@ class MoeLayer:
     #: Rows of tokens one forward of the example batch gave it, and their dtype.
     tokens: int = 0
     dtype: torch.dtype = torch.float32
+    #: Assignments this rank's example batch routed to each expert.
+    routed: tuple[int, ...] = ()
 
     def describe(self) -> str:
         return (
@@ -71,7 +73,7 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
             "down_proj, as transformers 5 stores Mixtral's and Qwen3-MoE's) called with the "
             "tokens, their top-k expert ids and weights; use a strategy without 'ep'"
         )
-    seen: dict[str, tuple[int, int, torch.dtype]] = {}
+    seen: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
     handles = []
     for name in shapes:
 
@@ -84,7 +86,13 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
                 and not index.is_floating_point()
             ):
                 hidden = args[0]
-                seen[name] = (int(index.shape[1]), int(hidden.shape[0]), hidden.dtype)
+                routed = torch.bincount(index.reshape(-1).cpu(), minlength=shapes[name][0])
+                seen[name] = (
+                    int(index.shape[1]),
+                    int(hidden.shape[0]),
+                    hidden.dtype,
+                    tuple(int(c) for c in routed.tolist()),
+                )
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(called))
     try:
@@ -93,7 +101,12 @@ def find_moe_layers(model: nn.Module, run: Callable[[], Any]) -> tuple[MoeLayer,
     finally:
         for handle in handles:
             handle.remove()
-    layers = tuple(MoeLayer(name, *shapes[name], *seen[name]) for name in shapes if name in seen)
+    layers = tuple(
+        MoeLayer(name, *shapes[name], top_k=k, tokens=rows, dtype=dtype, routed=routed)
+        for name in shapes
+        if name in seen
+        for k, rows, dtype, routed in (seen[name],)
+    )
     if not layers:
         raise ConfigError(
             f"strategy 'ep': the modules holding stacked expert weights ({', '.join(shapes)}) "

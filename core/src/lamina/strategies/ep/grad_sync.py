@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lamina.dtypes import dtype_name
 from lamina.strategies.ep.dispatch import Issuing
+from lamina.strategies.surface import PIPELINE_KEY
 
 
 def dense_node(dtype: str) -> str:
@@ -57,9 +58,11 @@ class ExpertGradientSync:
 
     def queue(self) -> None:
         """Run :meth:`run` when autograd finishes this backward, after every callback
-        queued so far (a sharder's end of backward): once per backward."""
-        if self.queued:
-            return
+        queued so far (a sharder's end of backward): once per backward; under a pipeline,
+        which runs many backwards a step, its engine runs :meth:`run` at the step's end."""
+        model = self.model()
+        if self.queued or model is None or PIPELINE_KEY in model.__dict__:
+            return  # a pipeline runs it once per step (STEP_SYNCS_KEY)
         self.queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._behind)
 
@@ -67,7 +70,14 @@ class ExpertGradientSync:
         torch.autograd.Variable._execution_engine.queue_callback(self.run)
 
     def run(self) -> None:
-        """Average the gradients (see the module)."""
+        """Average the gradients (see the module), at the end of a backward."""
+        self._sync(in_backward=True)
+
+    def run_after_step(self) -> None:
+        """Average the gradients after a pipelined step's backwards have all ended."""
+        self._sync(in_backward=False)
+
+    def _sync(self, in_backward: bool) -> None:
         self.queued = False
         model = self.model()
         if model is None:
@@ -83,14 +93,15 @@ class ExpertGradientSync:
                 experts.setdefault(p.dtype, []).append(p)
             else:
                 dense.setdefault(p.dtype, []).append(p)
-        self._average(dense, self.dense, dense_node)
-        self._average(experts, self.replicas, expert_node)
+        self._average(dense, self.dense, dense_node, in_backward)
+        self._average(experts, self.replicas, expert_node, in_backward)
 
     def _average(
         self,
         by_dtype: dict[torch.dtype, list[nn.Parameter]],
         over: SyncGroup,
         node: Callable[[str], str],
+        in_backward: bool,
     ) -> None:
         if over.size == 1:
             return
@@ -98,7 +109,8 @@ class ExpertGradientSync:
             grads = [_grad_of(p) for p in params]
             flat = torch.cat([_local(g).reshape(-1) for g in grads])
             name = dtype_name(dtype)
-            with self.issuing(node(name), "all_reduce", flat.numel() * flat.element_size(), True):
+            nbytes = flat.numel() * flat.element_size()
+            with self.issuing(node(name), "all_reduce", nbytes, in_backward):
                 dist.all_reduce(flat, group=over.group)
             flat /= over.size
             offset = 0

@@ -13,6 +13,7 @@ from lamina.strategies.ep.find import MoeLayer
 from lamina.strategies.ep.grad_sync import ExpertGradientSync
 from lamina.strategies.ep.layer import DispatchedExperts
 from lamina.strategies.split_state import SplitStateModule
+from lamina.strategies.surface import PIPELINE_KEY
 from lamina.strategies.tp.activation_ops import StepLog
 from lamina.strategies.tp.state import GlobalViews
 from lamina.verify import PreflightReport
@@ -89,7 +90,9 @@ class ExpertParallelModule(SplitStateModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward; a training forward opens the log's next step."""
         state = self.lamina_ep
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and PIPELINE_KEY not in self.__dict__:
+            # a step per forward; under a pipeline its engine runs the stages, and the
+            # log keeps counting over the steps
             state.log.begin_step()
         with balancing_over(state.balance):
             return super().forward(*args, **kwargs)

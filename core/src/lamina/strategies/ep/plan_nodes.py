@@ -4,9 +4,10 @@ Per MoE layer ``i`` (:class:`~.dispatch.DispatchNodes`): forward, the assignment
 all-to-all (``moe.i.counts``), the tokens' (``moe.i.tokens``) and the results'
 (``moe.i.results``); backward, the results' gradients going back to the experts
 (``moe.i.results_grad``) and the tokens' gradients to their ranks (``moe.i.tokens_grad``).
-The token exchanges are sized for an even routing (each rank sends its ``tokens x k``
-assignments); what a step really moves follows the router and is what the run log
-records. With a global load-balancing loss, one all-reduce of the assignment counts over
+The token exchanges are sized from the routing measured on the example batch (the
+busiest rank's, as if every rank exchanged as much), or for an even routing (each rank
+its ``tokens x k`` assignments); what a step really moves follows the router and is what
+the run log records. With a global load-balancing loss, one all-reduce of the assignment counts over
 the data replicas (``moe.aux_counts``). After backward, the dense gradients are averaged
 over the ep axis and the replica axes (``gradients.dense.<dtype>``) and the experts' over
 the replica axes (``gradients.experts.<dtype>``).
@@ -21,6 +22,7 @@ from lamina.runtime import Collective, CollectiveSpec, Compute, ExecutionPlan, P
 from lamina.runtime.broadcasts import broadcast_nodes
 from lamina.runtime.nodes import CollectivePurpose
 from lamina.runtime.plan import meta_items
+from lamina.runtime.render import EXPERT_AXIS
 from lamina.strategies.ep.aux_loss import AUX_NODE
 from lamina.strategies.ep.dispatch import DispatchNodes
 from lamina.strategies.ep.find import MoeLayer
@@ -61,6 +63,9 @@ class ExpertPlanInput:
     backend: str
     #: Shards a later sharder cuts each gradient into (1: none).
     sharded: int = 1
+    #: Per layer, the assignments a rank's token exchange is sized for (the busiest rank
+    #: of the measured routing scaled to the whole exchange; absent: an even routing).
+    exchanged: tuple[int, ...] = ()
 
 
 def build_expert_plan(
@@ -90,7 +95,8 @@ def build_expert_plan(
     if ep.size > 1:
         for index, layer in enumerate(given.layers):
             ids = DispatchNodes(index)
-            rows = layer.tokens * layer.top_k * layer.hidden
+            assignments = given.exchanged[index] if given.exchanged else layer.tokens * layer.top_k
+            rows = assignments * layer.hidden
             dtype = dtype_name(layer.dtype)
             what = f"MoE layer {index} ({layer.name})"
             collective(
@@ -157,7 +163,7 @@ def build_expert_plan(
         backend=given.backend,
         nodes=tuple(nodes),
         edges=tuple(edges),
-        meta=(*meta_items(ep=ep.size, moe_layers=len(given.layers)), ("ep_axis", ep.axis), *meta),
+        meta=(*meta_items(ep=ep.size, moe_layers=len(given.layers)), (EXPERT_AXIS, ep.axis), *meta),
     )
 
 

@@ -15,6 +15,7 @@ global batch (:mod:`.aux_loss`). In ``state_dict()`` the experts are whole-tenso
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from lamina.device.mesh import DeviceMesh
 from lamina.dtypes import dtype_name
 from lamina.errors import ConfigError
 from lamina.runtime.placement import AxisPlacement, Role, Split
+from lamina.runtime.render import EXPERT_STEP
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
     Placement,
@@ -39,12 +41,13 @@ from lamina.strategies.ep.dispatch import ExpertGroup
 from lamina.strategies.ep.find import MoeLayer, find_moe_layers, stacked_modules
 from lamina.strategies.ep.grad_sync import ExpertGradientSync, SyncGroup
 from lamina.strategies.ep.layer import DispatchedExperts, check_replaceable
+from lamina.strategies.ep.measure import ExpertMeasured, measure_on_job
 from lamina.strategies.ep.module import ExpertParallelism, ExpertParallelModule
 from lamina.strategies.ep.options import ExpertParallelOptions
 from lamina.strategies.ep.plan_nodes import ExpertPlanInput, PlanGroup, build_expert_plan
 from lamina.strategies.ep.registry import resolve_dispatcher
 from lamina.strategies.extension import extend_class
-from lamina.strategies.surface import placed_before
+from lamina.strategies.surface import STEP_SYNCS_KEY, placed_before
 from lamina.strategies.tp import _on_device
 from lamina.strategies.tp.activation_ops import StepLog, TensorGroup
 from lamina.strategies.tp.state import GlobalViews, ParamSplit
@@ -121,16 +124,15 @@ class ExpertParallelStrategy(Strategy):
             for weight in EXPERT_WEIGHTS
         }
 
-    def plan(
+    def _layers(
         self,
         model: nn.Module,
         ctx: StrategyContext,
         placement: Placement,
-        options: StrategyOptions,
-        inputs: StepInputs | None = None,
-    ) -> PlannedStep:
-        """The MoE layers, their exchanges and the gradient sync (no collective)."""
-        assert isinstance(options, ExpertParallelOptions)
+        options: ExpertParallelOptions,
+    ) -> tuple[tuple[MoeLayer, ...], Callable[[], Any]]:
+        """The MoE layers (one forward of the example batch) and that forward; a one-line
+        ConfigError for what ep cannot take, before any collective."""
         if len(placement.shard) != 1:
             raise ConfigError(
                 f"strategy 'ep' goes on one mesh axis, got placement {placement.describe()}; "
@@ -142,14 +144,46 @@ class ExpertParallelStrategy(Strategy):
                 "example_inputs=(batch,) (a batch of the training shape)"
             )
         resolve_dispatcher(options.dispatcher)
-        mesh = ctx.mesh
-        ep_group, ep_ranks = mesh.group_over(placement.shard)
+        size = ctx.mesh.size(placement.shard[0])
         args: Any = _on_device(options.example_inputs or (), ctx, model)
         kwargs: Any = _on_device(dict(options.example_kwargs or {}), ctx, model)
-        layers = find_moe_layers(model, lambda: model(*args, **kwargs))
+
+        def run() -> Any:
+            return model(*args, **kwargs)
+
+        layers = find_moe_layers(model, run)
         for layer in layers:
             check_replaceable(layer.name, model.get_submodule(layer.name))
-            ExpertGroup(None, len(ep_ranks), 0, layer.experts)  # one line unless ep divides
+            ExpertGroup(None, size, 0, layer.experts)  # one line unless ep divides
+        return layers, run
+
+    def measure(
+        self, model: nn.Module, ctx: StrategyContext, placement: Placement, options: StrategyOptions
+    ) -> Any:
+        """A rank's step timed and the example batch's routing gathered (:mod:`.measure`;
+        collective: every rank)."""
+        assert isinstance(options, ExpertParallelOptions)
+        layers, run = self._layers(model, ctx, placement, options)
+        group, ranks = ctx.mesh.group_over(placement.shard)
+        return measure_on_job(model, run, layers, group, len(ranks), ctx.handle.synchronize)
+
+    def plan(
+        self,
+        model: nn.Module,
+        ctx: StrategyContext,
+        placement: Placement,
+        options: StrategyOptions,
+        inputs: StepInputs | None = None,
+    ) -> PlannedStep:
+        """The MoE layers, their exchanges and the gradient sync (no collective)."""
+        assert isinstance(options, ExpertParallelOptions)
+        measured = inputs.measured if inputs is not None else None
+        if isinstance(measured, ExpertMeasured):
+            layers = measured.layers
+        else:
+            layers, _ = self._layers(model, ctx, placement, options)
+        mesh = ctx.mesh
+        ep_group, ep_ranks = mesh.group_over(placement.shard)
         data_axes = options.data_axes or (*placement.shard, *placement.replicate)
         dense_axes = (*placement.shard, *placement.replicate)
         balanced = (
@@ -198,8 +232,16 @@ class ExpertParallelStrategy(Strategy):
                 ctx.world_size,
                 str(dist.get_backend(ep_group)),
                 max(1, data_size // len(groups.dense[1])),
+                _exchanged(measured, len(ep_ranks)),
             ),
-            meta=(("dispatcher", options.dispatcher),),
+            meta=(
+                ("dispatcher", options.dispatcher),
+                *(
+                    ((EXPERT_STEP, f"{measured.step_s:.6g}"),)
+                    if isinstance(measured, ExpertMeasured)
+                    else ()
+                ),
+            ),
         )
         lines = (
             f"ep={len(ep_ranks)} on {axis}, dispatcher {options.dispatcher}, global "
@@ -250,6 +292,9 @@ class ExpertParallelStrategy(Strategy):
         )
         for module in modules:
             module.on_backward = sync.queue
+        model.__dict__[STEP_SYNCS_KEY] = (
+            sync.run_after_step,
+        )  # a pipeline composed after ep runs it
         balance = None
         if held.groups.balance is not None:
             balance_group, balance_ranks = held.groups.balance
@@ -268,6 +313,15 @@ class ExpertParallelStrategy(Strategy):
             balance,
         )
         return extend_class(model, ExpertParallelModule, {}, "lamina_ep", state)
+
+
+def _exchanged(measured: Any, size: int) -> tuple[int, ...]:
+    """Per layer, the assignments the plan sizes a rank's token exchange for: the
+    busiest rank's off-rank share of the measured routing, as a whole exchange (``size /
+    (size - 1)`` of it); empty without a measurement."""
+    if not isinstance(measured, ExpertMeasured) or size < 2:
+        return ()
+    return tuple(-(-b * size // (size - 1)) for b in measured.busiest)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

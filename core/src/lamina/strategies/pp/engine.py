@@ -29,7 +29,7 @@ from lamina.runtime.log import RunLog
 from lamina.strategies.pp.layout import PipelineLayout
 from lamina.strategies.pp.plan_nodes import LOSS, average_id, stage_node_id, tied_id
 from lamina.strategies.pp.stages import StageRunner, join_inputs
-from lamina.strategies.surface import STEP_SHARDING_KEY
+from lamina.strategies.surface import STEP_SHARDING_KEY, STEP_SYNCS_KEY
 from lamina.trace.pipeline_view import GRADIENT_SYNC, PIPELINE_TRACK, SCHEDULE
 from lamina.trace.recorder import get_recorder
 
@@ -168,6 +168,9 @@ class PipelineEngine:
                     self._sum_tied(before)
                     if sharding is not None:
                         sharding.finish()
+            with _traced(GRADIENT_SYNC):
+                for sync in self.model.__dict__.get(STEP_SYNCS_KEY, ()):
+                    sync()  # an earlier strategy's (ep's), on the shards the model holds now
             synced = time.perf_counter() - scheduled
             if self.run_log is not None:
                 self.run_log.end_backward()  # the step's gradients are synced: it counts
