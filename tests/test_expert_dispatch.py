@@ -158,3 +158,35 @@ def test_a_model_without_moe_layers_is_one_line() -> None:
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("strategy 'ep' found no Mixture-of-Experts layer in the model")
+
+
+def _ranks_at_other_layers() -> str:
+    import lamina
+
+    lamina.init()
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ep = ExpertGroup(None, 2, rank, 4)
+    hidden = torch.randn(6, 8)
+    index = torch.randint(0, 4, (6, 2))
+    try:
+        # rank 1 skipped a layer: it is at layer 1 while rank 0 is at layer 0
+        AllToAllDispatcher().dispatch(ep, hidden, index, torch.rand(6, 2), lambda t, n: t, rank)
+    except ConfigError as error:
+        return str(error)
+    finally:
+        lamina.shutdown()
+    return "no error"
+
+
+def test_a_rank_at_another_moe_layer_is_named_in_one_line_not_a_hang() -> None:
+    from lamina.testing import run_ranks
+
+    said = run_ranks(_ranks_at_other_layers, 2, env={"LAMINA_BACKEND": "cpu"}, timeout=120)
+    assert said[0] == (
+        "expert parallelism: rank 1 of the ep group is at MoE layer 1 while rank 0 is at MoE "
+        "layer 0; every rank of the ep group must run the same MoE layers in the same order "
+        "(the same model, inputs of the same shape, no layer skipped on some ranks)"
+    )
+    assert said[1].startswith("expert parallelism: rank 0 of the ep group is at MoE layer 0 ")

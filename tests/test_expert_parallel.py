@@ -9,7 +9,10 @@ relative of one process's, every parameter within 1e-5. Every step's run log hol
 exactly the plan's ep collectives. Each rank holds ``1 / (ep x dp_shard)`` of the expert
 weights and of their optimizer state. A checkpoint saved under ep=4 loads exactly under
 ep=2 x dp_shard=2 and in one process. An expert count ep does not divide and a model
-without an MoE layer are one line each, before any collective.
+without an MoE layer are one line each, before any collective. On 8 ranks,
+``["tp", "ep", "zero3"]`` and ``["pp", "ep", "zero3"]`` (the pipeline syncing ep's
+gradients once per step) train as one process within the same bounds. ``lamina trace
+report`` shows each rank's expert load, every assignment sent once and computed once.
 """
 
 from __future__ import annotations
@@ -346,3 +349,46 @@ def test_ep_composed_with_tp_and_pp_trains_as_one_process(
         assert recorded <= set(got["planned"]), (rank, recorded)
         layers = {n.split(".")[1] for n in recorded if n.startswith("moe.")}
         assert layers == set(got["held_layers"]) and layers, (rank, layers, got["held_layers"])
+
+
+def _traced_job() -> None:
+    lamina.init(mesh={"ep": 4})
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    xs = torch.randint(0, VOCAB, (3, BATCH, SEQ), generator=g)
+    model = lamina.distribute(mixtral(seed=0, router_loss=True), "ep", example_inputs=(xs[0],))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in xs:
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    lamina.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_trace_report_shows_each_ranks_expert_load(tmp_path: Any) -> None:
+    from rich.console import Console
+
+    from lamina.cli.trace import render_report
+    from lamina.trace.analysis import build_report
+    from lamina.trace.events import read_dir
+
+    env = {"LAMINA_BACKEND": os.environ.get("LAMINA_BACKEND", "cpu"), "LAMINA_TRACE": str(tmp_path)}
+    run_ranks(_traced_job, 4, env=env, timeout=240)
+    report = build_report(read_dir(tmp_path), str(tmp_path))
+    loads = [load for load in report.experts if load.step > 0]
+    assert {(load.step, load.layer) for load in loads} == {
+        (s, k) for s in (1, 2, 3) for k in (0, 1)
+    }
+    hidden = 32 * 4  # Mixtral's hidden size, float32
+    for load in loads:
+        assert sorted(load.sent) == sorted(load.computed) == [0, 1, 2, 3], load
+        # every rank sends each of its tokens' top-2 assignments once; every assignment is
+        # computed once, by the rank holding its expert
+        assert sum(load.sent.values()) == 4 * BATCH * SEQ * 2 * hidden, load
+        assert sum(load.computed.values()) == sum(load.sent.values()), load
+        assert load.imbalance >= 1.0
+    console = Console(width=160, record=True)
+    render_report(report, console)
+    text = console.export_text()
+    assert "expert load (bytes each rank's experts computed" in text, text
+    assert "MoE layer 1: step 3:" in text, text

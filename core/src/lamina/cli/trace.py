@@ -21,6 +21,7 @@ from rich.table import Table
 from lamina.errors import ConfigError
 from lamina.trace.analysis import TraceReport, build_report
 from lamina.trace.events import read_dir
+from lamina.trace.expert_view import load_lines
 from lamina.trace.export import save_chrome_trace
 from lamina.units import format_bytes
 
@@ -86,6 +87,8 @@ def render_report(report: TraceReport, console: Console) -> None:
     if len(report.steps) > MAX_STEP_ROWS:
         console.print(f"  ({len(report.steps) - MAX_STEP_ROWS} earlier step(s) in --json)")
     _render_pipeline(report, console)
+    for line in load_lines(report.experts):
+        console.print(line, soft_wrap=True)
     _render_skew(report, console)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from lamina.trace.events import CollectiveEvent, RankTrace, busbw_factor, read_dir
+from lamina.trace.expert_view import ExpertLoad, expert_load
 from lamina.trace.intervals import overlap_ns, union
 from lamina.trace.pipeline_view import PipelineStep, pipeline_by_step
 from lamina.units import format_bytes
@@ -311,6 +312,9 @@ class TraceReport:
     #: A pipelined run's schedule, compute, bubble and sync per rank and step
     #: (:mod:`lamina.trace.pipeline_view`; empty for other runs).
     pipeline: list[PipelineStep] = field(default_factory=list)
+    #: An expert-parallel run's load per step, MoE layer and rank
+    #: (:mod:`lamina.trace.expert_view`; empty for other runs).
+    experts: list[ExpertLoad] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data (what ``--json`` prints)."""
@@ -322,6 +326,7 @@ class TraceReport:
             "overlap": [r.to_json() for r in self.overlap],
             "stragglers": self.stragglers.to_json(),
             "pipeline": [r.to_json() for r in self.pipeline],
+            "experts": [r.to_json() for r in self.experts],
         }
 
 
@@ -354,6 +359,7 @@ def build_report(traces: dict[int, RankTrace], directory: str = "") -> TraceRepo
         summarize_steps(overlap),
         stragglers(traces),
         pipeline_by_step(traces),
+        expert_load(traces),
     )
 
 

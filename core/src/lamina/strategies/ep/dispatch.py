@@ -13,7 +13,8 @@ rank holding the expert, has that rank's experts compute them, and brings the re
 back, each multiplied by its router weight and summed into its token:
 
 1. the assignments per expert, counted on each rank, are exchanged in one all-to-all
-   (``E / n`` counts to each peer), so every rank knows what it will receive;
+   (``E / n`` counts to each peer, after the layer's index: a peer at another layer is
+   named in one line), so every rank knows what it will receive;
 2. the tokens go in one all-to-all of uneven splits, sorted by expert (so by
    destination rank, then expert);
 3. what arrived (by source rank, then expert) is regrouped by local expert and each
@@ -152,6 +153,31 @@ def _all_to_all(
     return out
 
 
+def _exchange_counts(
+    counts: torch.Tensor, ep: ExpertGroup, layer: int, issuing: Issuing, node: str
+) -> torch.Tensor:
+    """Each peer's assignments to this rank's experts, ``(peers, local experts)``: every
+    rank sends each peer its counts for that peer's experts, after the MoE layer it is
+    at, so a peer at another layer (the ranks ran different layers: their exchanges would
+    pair up wrong) is named in one line instead of exchanging tokens of the wrong size."""
+    layers = torch.full((ep.size, 1), layer, dtype=counts.dtype, device=counts.device)
+    sent = torch.cat([layers, counts.reshape(ep.size, ep.local)], dim=1).reshape(-1)
+    received = torch.empty_like(sent)
+    with issuing(node, "all_to_all", _nbytes(sent), False):
+        dist.all_to_all_single(received, sent, group=ep.group)
+    received = received.reshape(ep.size, ep.local + 1)
+    at = received[:, 0].tolist()
+    other = next((peer for peer, theirs in enumerate(at) if theirs != layer), None)
+    if other is not None:
+        raise ConfigError(
+            f"expert parallelism: rank {other} of the ep group is at MoE layer {at[other]} "
+            f"while rank {ep.index} is at MoE layer {layer}; every rank of the ep group must "
+            "run the same MoE layers in the same order (the same model, inputs of the same "
+            "shape, no layer skipped on some ranks)"
+        )
+    return received[:, 1:]
+
+
 def _by_expert(received: torch.Tensor) -> torch.Tensor:
     """Indices putting rows that arrived by source rank, then local expert (``received``:
     ``(sources, experts)`` counts) in order of local expert, then source rank."""
@@ -219,10 +245,7 @@ class AllToAllDispatcher(Dispatcher):
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         counts = torch.bincount(flat, minlength=ep.experts)
-        received = torch.empty_like(counts)
-        with issuing(nodes.counts, "all_to_all", _nbytes(counts), False):
-            dist.all_to_all_single(received, counts, group=ep.group)
-        received = received.reshape(ep.size, ep.local)
+        received = _exchange_counts(counts, ep, layer, issuing, nodes.counts)
         send = counts.reshape(ep.size, ep.local).sum(1).tolist()
         receive = received.sum(1).tolist()
         sent = hidden[token_of]

@@ -100,7 +100,13 @@ def build_expert_plan(
             dtype = dtype_name(layer.dtype)
             what = f"MoE layer {index} ({layer.name})"
             collective(
-                ids.counts, FORWARD, "all_to_all", layer.experts, "int64", what + ": counts", ep
+                ids.counts,
+                FORWARD,
+                "all_to_all",
+                layer.experts + ep.size,
+                "int64",
+                what + ": counts",
+                ep,
             )
             collective(ids.tokens, FORWARD, "all_to_all", rows, dtype, what + ": tokens", ep)
             collective(ids.results, FORWARD, "all_to_all", rows, dtype, what + ": results", ep)
