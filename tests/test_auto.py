@@ -21,6 +21,7 @@ from examples_on_ranks import run_example
 from lamina.auto.attention import AttentionCall, AttentionProfile
 from lamina.auto.candidates import candidates_for
 from lamina.auto.comm import ClusterComm
+from lamina.auto.experts import ExpertLayer, ExpertProfile
 from lamina.auto.measure import ChainProfile, ModelProfile
 from lamina.auto.predict import NotApplicable, predict_candidate
 from lamina.auto.ranking import rank_candidates
@@ -273,6 +274,88 @@ def test_a_global_batch_of_fewer_rows_than_ranks_is_split_by_context_or_tensor()
     assert verdicts["tp(intra)+zero3(inter)"] == ""
     chosen = ranking.choice()
     assert chosen.candidate.label == "cp(intra)+zero3(inter+intra)", ranking.table()
+
+
+def test_expert_parallelism_is_a_candidate_only_when_asked_for() -> None:
+    assert all(c.ep_degree == 1 for c in candidates_for({"dp": 4}))
+    flat = [c for c in candidates_for({"dp": 4}, experts=True) if c.ep_degree > 1]
+    assert [c.label for c in flat] == ["ep"]
+    two = [c for c in candidates_for({"inter": 2, "intra": 4}, experts=True) if c.ep_degree > 1]
+    assert [c.label for c in two] == ["ep(intra)+zero3(inter)", "ep(inter)+zero3(intra)"]
+    # ep is a data axis: every rank takes its own rows
+    assert [(c.ep_degree, c.shard_degree, c.data_replicas) for c in two] == [(4, 2, 8), (2, 4, 8)]
+    named = candidates_for({"dp": 2, "ep": 4, "tp": 2}, experts=True)
+    assert "ep(ep)+zero3(dp+tp)" in [c.label for c in named]
+
+
+def _moe_profile(experts: int = 8, share: float = 0.9) -> ModelProfile:
+    """The transformer profile on 2 rows with an MoE layer in each block: ``experts``
+    experts holding ``share`` of the parameters, top-2 of 256 tokens a row, width 1024."""
+    base = _profile(rows=2)
+    exchange = base.batch * 256 * 2 * 1024 * 4
+    layers = tuple(ExpertLayer(experts, int(exchange)) for _ in range(BLOCKS))
+    moe = ExpertProfile(int(base.batch), layers, int(base.parameter_bytes * share))
+    return ModelProfile(**{**base.__dict__, "experts": moe})
+
+
+def test_expert_parallelism_is_priced_by_its_exchanges_and_its_share_of_the_experts() -> None:
+    cluster = _cluster(2)  # hosts joined at 2 GB/s
+    comm = ClusterComm(cluster)
+    profile = _moe_profile()
+    found = {c.label: c for c in candidates_for(cluster.mesh, experts=True)}
+    across = predict_candidate(found["ep(inter)+zero3(intra)"], profile, comm)
+    zero3 = predict_candidate(found["zero3"], profile, comm)
+    # each rank holds the dense tenth and half the experts, sharded 8 ways inside its host
+    held = profile.parameter_bytes * (0.1 + 0.9 / 2) / 8
+    assert across.memory_parts["state"] == pytest.approx(held * 4, rel=1e-6)
+    assert across.parts["compute"] == pytest.approx(zero3.parts["compute"])
+    one = profile.experts.layers[0].exchange_bytes  # type: ignore[union-attr]
+    assert across.parts["expert exchanges"] == pytest.approx(
+        BLOCKS * 4 * comm.seconds("reduce_scatter", ("inter",), one)
+    )
+    # the experts cross the slow link as tokens, not as gathered weights
+    assert across.step_s < zero3.step_s
+
+
+def test_slow_links_and_expert_heavy_models_choose_expert_parallelism() -> None:
+    # 1.2 GiB a device: replicas (dp, hsdp) and zero3's gathered units do not fit
+    cluster = _cluster(2, memory_gib=1.2)
+    # without a chain of blocks to pipeline (a pipeline sends less still across hosts)
+    profile = ModelProfile(**{**_moe_profile().__dict__, "chain": None, "no_chain": "none"})
+    ranking = rank_candidates(
+        candidates_for(cluster.mesh, experts=True),
+        profile,
+        ClusterComm(cluster),
+        device_memory=cluster.device_memory_bytes,
+    )
+    assert ranking.choice().candidate.label == "ep(inter)+zero3(intra)", ranking.table()
+    verdicts = {e.candidate.label: e.rejected for e in ranking.entries}
+    assert verdicts["zero3"].startswith("needs "), verdicts
+    steps = {e.candidate.label: e.prediction.step_s for e in ranking.entries if e.prediction}
+    # the experts cross the slow link as tokens, not as gathered weights
+    assert steps["ep(inter)+zero3(intra)"] < 0.6 * steps["zero3"], steps
+    # 8 experts do not split over the 3 ranks of an axis
+    odd = [c for c in candidates_for({"dp": 3}, experts=True) if c.ep_degree > 1]
+    with pytest.raises(NotApplicable, match="8 experts do not split over ep=3"):
+        predict_candidate(odd[0], _moe_profile(), ClusterComm(_cluster(25)))
+
+
+def test_the_profile_reads_a_transformers_moe_models_experts() -> None:
+    from lamina.auto.measure import profile_model
+    from modern_models import mixtral
+
+    model = mixtral(experts=8)
+    x = torch.randint(0, 64, (2, 16))
+    profile = profile_model(model, (x,), runs=1)
+    moe = profile.experts
+    assert moe is not None and moe.rows == 2
+    assert [layer.experts for layer in moe.layers] == [8, 8]
+    # every token's top-2 assignments, each a hidden vector of 32 floats
+    assert [layer.exchange_bytes for layer in moe.layers] == [2 * 16 * 2 * 32 * 4] * 2
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    assert moe.expert_bytes == experts
+    dense = nn.Sequential(nn.Linear(8, 8))
+    assert profile_model(dense, (torch.randn(2, 8),), runs=1).experts is None
 
 
 # -- on ranks --------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ that applies to a mesh, outermost axis first:
   ``zero3`` over the others; ``pp`` on an axis named ``pp``, replicated or sharded over
   the others.
 
+With ``experts`` (the model has Mixture-of-Experts layers) expert parallelism too:
+``ep`` alone over one axis; over either axis of two, with ``zero3`` over the other; over
+an axis named ``ep`` with ``zero3`` over the others. Each ep rank holds its share of the
+experts and takes its own rows.
+
 With ``context`` (the model's attention sees a long sequence: :mod:`lamina.auto.choose`)
 context parallelism too: ``cp`` over the one axis, over the inner axis of two, or over an
 axis named ``cp``, each composed with ``zero3`` over every axis (the sharder spans the cp
@@ -123,6 +128,12 @@ class Candidate:
         return self.size(cp.shard) if cp else 1
 
     @property
+    def ep_degree(self) -> int:
+        """Ranks an MoE layer's experts are spread over (1: no expert parallelism)."""
+        ep = self.use("ep")
+        return self.size(ep.shard) if ep else 1
+
+    @property
     def data_replicas(self) -> int:
         """Ranks groups that each take their own part of the global batch."""
         return self.world_size // (self.tp_degree * self.pp_degree * self.cp_degree)
@@ -168,9 +179,11 @@ def candidates_for(
     allow_lossy: bool = False,
     microbatches: int = 0,
     context: bool = False,
+    experts: bool = False,
 ) -> list[Candidate]:
     """Every candidate on ``mesh`` (see the module); ``microbatches`` per pipelined step
-    (0: twice the stages); ``context``: context parallelism too."""
+    (0: twice the stages); ``context``: context parallelism too; ``experts``: expert
+    parallelism too."""
     axes = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(mesh)
     if not axes or any(size < 1 for _, size in axes):
         raise ValueError(f"a mesh of positive axis sizes is needed, got {axes}")
@@ -181,6 +194,8 @@ def candidates_for(
     found = _on(real, allow_lossy, microbatches)
     if context:
         found += _context(real)
+    if experts:
+        found += _experts(real)
     out = [_placed(c, axes, trivial) for c in found]
     return [c for c in out if c is not None]
 
@@ -198,6 +213,28 @@ def _context(axes: tuple[tuple[str, int], ...]) -> list[Candidate]:
     else:
         return []
     return [Candidate((Use("cp", shard=over), Use("zero3", shard=names)), axes)]
+
+
+def _experts(axes: tuple[tuple[str, int], ...]) -> list[Candidate]:
+    """Expert parallelism on a mesh whose every axis holds two ranks or more: over the one
+    axis alone; over either axis of two, with ``zero3`` over the other (experts spread
+    across the hosts and sharded inside them, or the reverse); over an axis named ``ep``
+    with ``zero3`` over the others. The ep axis is a data axis: each of its ranks takes
+    its own rows."""
+    names = tuple(a for a, _ in axes)
+    if len(axes) == 1:
+        return [Candidate((Use("ep", shard=names),), axes)]
+    pairs: list[tuple[str, tuple[str, ...]]]
+    if len(axes) == 2:
+        pairs = [(names[1], (names[0],)), (names[0], (names[1],))]
+    elif "ep" in names:
+        pairs = [("ep", tuple(a for a in names if a != "ep"))]
+    else:
+        return []
+    return [
+        Candidate((Use("ep", shard=(over,)), Use("zero3", shard=rest)), axes)
+        for over, rest in pairs
+    ]
 
 
 def _placed(

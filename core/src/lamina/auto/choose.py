@@ -259,7 +259,11 @@ def rank_for(
         axes = tuple((a, runtime.mesh.size(a)) for a in runtime.mesh.axis_names)
         memory = opts.device_memory or device_memory_bytes(runtime)
     candidates = candidates_for(
-        axes, allow_lossy=opts.allow_lossy, microbatches=opts.microbatches, context=True
+        axes,
+        allow_lossy=opts.allow_lossy,
+        microbatches=opts.microbatches,
+        context=True,
+        experts=True,
     )
     timed: list[MeasuredComm] = []
 
@@ -288,6 +292,8 @@ def rank_for(
     tokens = profile.attention.tokens if profile.attention is not None else 0
     if tokens < opts.context_min_tokens:  # short sequences: cp only adds collectives
         candidates = [c for c in candidates if c.cp_degree == 1]
+    if profile.experts is None:  # no MoE layer: nothing for ep to spread
+        candidates = [c for c in candidates if c.ep_degree == 1]
     world = math.prod(size for _, size in axes)
     ranking = rank_candidates(
         candidates,

@@ -12,7 +12,9 @@ is timed at the share of a shared device it gets in a training loop):
 - AdamW's step, on copies of the largest parameters (up to 4M elements), scaled;
 - the bytes autograd saves for the backward (the activations), counted as they are saved;
 - the attention calls and the outputs cut on the sequence
-  (:func:`lamina.auto.attention.attention_profile`), which price context parallelism.
+  (:func:`lamina.auto.attention.attention_profile`), which price context parallelism;
+- the Mixture-of-Experts layers (:func:`lamina.auto.experts.expert_profile`): their
+  token exchanges and expert weights, which price expert parallelism.
 
 A candidate whose ranks each take another share of the global batch than the measured
 one is predicted from the profile scaled to that share (:meth:`ModelProfile.at_rows`).
@@ -35,6 +37,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lamina.auto.attention import AttentionProfile, attention_profile
+from lamina.auto.experts import ExpertProfile, expert_profile
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain, find_chain
@@ -89,6 +92,8 @@ class ModelProfile:
     optimizer_dispatch_s: float = 0.0
     #: The attention calls (None: the forward makes none).
     attention: AttentionProfile | None = None
+    #: The Mixture-of-Experts layers (None: the model has none).
+    experts: ExpertProfile | None = None
 
     def at_rows(self, rows: float) -> ModelProfile:
         """The profile of one rank's share of ``rows`` rows (a fraction of a row when a
@@ -129,6 +134,7 @@ class ModelProfile:
             },
             "no_chain": self.no_chain,
             "attention": None if self.attention is None else self.attention.to_json(),
+            "experts": None if self.experts is None else self.experts.to_json(),
         }
 
 
@@ -216,6 +222,7 @@ def profile_model(
         forwards, wholes = samples(forward), samples(whole)
         activation_bytes = _saved_bytes(model, lambda: model(*inputs, **kwargs))
         attention = attention_profile(model, inputs, kwargs, batch)
+        experts = expert_profile(model, inputs, kwargs, batch)
         model.zero_grad(set_to_none=True)
     between()  # a shared machine's slow spells last seconds: time again after it
     with preserved(model):
@@ -266,6 +273,7 @@ def profile_model(
         no_chain=no_chain,
         optimizer_dispatch_s=dispatch_s,
         attention=attention,
+        experts=experts,
     )
 
 

@@ -39,6 +39,13 @@ hide behind compute and what they wait for:
   values all-gathered forward and their gradients reduce-scattered backward (the
   all-gather algorithm: cp's own per-call choice pays at most that), the outputs cut on
   the sequence all-gathered, none of it hidden, each waiting the skew.
+- ``ep`` (``E`` ranks spreading each MoE layer's experts, alone or with ``zero3`` over
+  the other axes): each rank holds the dense parameters and ``1/E`` of the experts (then
+  sharded as above on that share), computes its own rows (the measured step: each token
+  meets as many experts as in one process); per MoE layer its tokens' assignments go to
+  the experts and back, forward and backward (four all-to-alls, each priced as a ring
+  reduce-scatter of those bytes: ``E - 1`` messages of ``1/E``), and the dense gradients
+  are averaged over the ep axis; none of it hidden, each waiting the skew.
 
 The global batch (``global_rows``; default the measured rows times the ranks) is split
 among the data replicas; a candidate whose replicas cannot share it evenly cannot run.
@@ -116,6 +123,8 @@ def predict_candidate(
             f"its {replicas} data replicas cannot share a global batch of {rows} rows"
         )
     profile = profile.at_rows(rows / world)
+    if candidate.ep_degree > 1:
+        return _expert_parallel(candidate, profile, comm)
     if candidate.cp_degree > 1:
         return _context_parallel(candidate, profile, comm)
     if candidate.pp_degree > 1:
@@ -156,7 +165,7 @@ def _units(p: ModelProfile) -> int:
     return (p.chain.blocks if p.chain is not None else 0) + 1
 
 
-def _sharded(c: Candidate, p: ModelProfile, comm: CommCosts, split: int) -> CandidatePrediction:
+def _sharded(c: Candidate, p: ModelProfile, comm: CommCosts, split: float) -> CandidatePrediction:
     """zero3 / hsdp over the sharder's axes on ``1/split`` of the parameters (``split``:
     the tensor-parallel degree), compute ``t_f``/``t_b`` plus ``extra`` not hidden."""
     sharder = c.sharder
@@ -181,7 +190,7 @@ def _sharded(c: Candidate, p: ModelProfile, comm: CommCosts, split: int) -> Cand
         comm.overlap,
     )
     optimizer = p.optimizer_s / split / shards + p.optimizer_dispatch_s
-    state = p.parameter_bytes * STATE_BYTES_PER_PARAM_BYTE // (split * shards)
+    state = int(p.parameter_bytes * STATE_BYTES_PER_PARAM_BYTE // (split * shards))
     gathered = int(2 * unit)
     return CandidatePrediction(
         forward + backward + optimizer,
@@ -361,6 +370,43 @@ def _context_parallel(c: Candidate, p: ModelProfile, comm: CommCosts) -> Candida
     return CandidatePrediction(
         base.step_s + blocking, base.memory_bytes + int(largest + outputs), parts, memory
     )
+
+
+def _expert_parallel(c: Candidate, p: ModelProfile, comm: CommCosts) -> CandidatePrediction:
+    experts = p.experts
+    if experts is None:
+        raise NotApplicable("ep spreads experts: the model has no Mixture-of-Experts layer")
+    ep = c.use("ep")
+    assert ep is not None
+    degree = c.ep_degree
+    for layer in experts.layers:
+        if layer.experts % degree:
+            raise NotApplicable(f"{layer.experts} experts do not split over ep={degree}")
+    dense = p.parameter_bytes - experts.expert_bytes
+    held = dense + experts.expert_bytes / degree
+    share = p.batch / experts.rows  # this rank's rows against the rows they were read on
+    exchanged = [layer.exchange_bytes * share for layer in experts.layers]
+    exchange = sum(4 * comm.seconds("reduce_scatter", ep.shard, n) for n in exchanged)
+    collectives = 5 * len(exchanged) + 1
+    if c.sharder is not None:
+        base = _sharded(c, p, comm, p.parameter_bytes / held)
+        dense_sync = comm.seconds("all_reduce", ep.shard, dense / c.shard_degree)
+        parts, memory = dict(base.parts), dict(base.memory_parts)
+        step, footprint = base.step_s, base.memory_bytes
+    else:
+        dense_sync = comm.seconds("all_reduce", c.sync_axes(), dense)
+        optimizer = p.optimizer_s * held / p.parameter_bytes
+        state = int(held * STATE_BYTES_PER_PARAM_BYTE)
+        parts = {"compute": p.forward_s + p.backward_s, "optimizer": optimizer}
+        memory = {"state": state, "activations": p.activation_bytes}
+        step = p.forward_s + p.backward_s + optimizer
+        footprint = state + p.activation_bytes
+    blocking = exchange + dense_sync + collectives * comm.skew
+    parts["expert exchanges"] = exchange
+    parts["dense gradients over ep"] = dense_sync
+    buffers = int(2 * max(exchanged, default=0.0))
+    memory["exchanged tokens"] = buffers
+    return CandidatePrediction(step + blocking, footprint + buffers, parts, memory)
 
 
 def fits(prediction: CandidatePrediction, device_memory: int | None, margin: float) -> bool:
