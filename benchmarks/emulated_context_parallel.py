@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import lamina
+from _links import calibrated_links
 from _results import write_results
 from emulated_training import INNER_ENV, run_emulated
 from lamina.strategies.contract import Placement
@@ -57,32 +58,6 @@ from _gpt_model import GPT, GPTConfig, lm_loss
 
 ALGORITHMS = ("pass_kv", "all_gather", "all_to_all")
 VOCAB = 64
-
-
-def _links(runtime: lamina.Runtime) -> dict[str, dict[str, float]]:
-    """The intra- and inter-host links calibrated on the job: gloo's own hierarchical
-    phases timed at two sizes, a straight line through them per link class
-    (:func:`lamina.comm.calibrate.calibrate`; collective)."""
-    from lamina.comm.algorithms import AlgorithmGroups
-    from lamina.comm.calibrate import calibrate
-    from lamina.comm.cost import CostModel
-    from lamina.comm.layout import HostLayout
-
-    topology = runtime.topology
-    groups = AlgorithmGroups(HostLayout.of(topology), runtime.rank, pg_backend="gloo")
-    try:
-        model = calibrate(
-            groups,
-            CostModel.from_topology(topology),
-            device=runtime.device,
-            sync=runtime.handle.synchronize,
-        )
-    finally:
-        groups.close()
-    return {
-        name: {"bandwidth_gbps": cost.bandwidth_gbps, "latency_us": cost.alpha_s * 1e6}
-        for name, cost in (("intra", model.intra), ("inter", model.inter))
-    }
 
 
 def _cluster(links: dict[str, dict[str, float]]) -> Any:
@@ -167,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
     x = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
     y = torch.randint(0, VOCAB, (1, args.tokens), generator=g)
     repeats = []
-    links = _links(runtime)
+    links = calibrated_links(runtime)
     for repeat in range(args.repeats):
         repeats.append(_sitting(args, runtime, x, y, links))
         if runtime.rank == 0:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import lamina
 from _interleaved import torchrun_command
+from _links import calibrated_links
 from _results import RESULTS, write_results
 from emulated_training import INNER_ENV, run_emulated
 
@@ -75,31 +76,6 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
     return MixtralForCausalLM(config)
 
 
-def _links(runtime: lamina.Runtime) -> dict[str, dict[str, float]]:
-    """The links calibrated on the job (collective): intra and inter classes on two
-    hosts, the intra class twice on one."""
-    from lamina.comm.algorithms import AlgorithmGroups
-    from lamina.comm.calibrate import calibrate
-    from lamina.comm.cost import CostModel
-    from lamina.comm.layout import HostLayout
-
-    topology = runtime.topology
-    groups = AlgorithmGroups(HostLayout.of(topology), runtime.rank, pg_backend="gloo")
-    try:
-        model = calibrate(
-            groups,
-            CostModel.from_topology(topology),
-            device=runtime.device,
-            sync=runtime.handle.synchronize,
-        )
-    finally:
-        groups.close()
-    return {
-        name: {"bandwidth_gbps": cost.bandwidth_gbps, "latency_us": cost.alpha_s * 1e6}
-        for name, cost in (("intra", model.intra), ("inter", model.inter))
-    }
-
-
 def _cluster(hosts: int, links: dict[str, dict[str, float]]) -> Any:
     from lamina.simulate import cluster_from_dict
 
@@ -115,7 +91,7 @@ def run(args: argparse.Namespace, part: str) -> None:
     g = torch.Generator().manual_seed(1 + runtime.rank)
     x = torch.randint(0, VOCAB, (args.batch, args.tokens), generator=g)
     hosts = 2 if part == "emulated" else 1
-    links = _links(runtime)
+    links = calibrated_links(runtime)
     models = {
         "ep": lamina.distribute(_model(args), "ep", example_inputs=(x,)),
         "zero3": lamina.distribute(_model(args), "zero3"),

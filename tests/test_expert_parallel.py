@@ -392,3 +392,45 @@ def test_trace_report_shows_each_ranks_expert_load(tmp_path: Any) -> None:
     text = console.export_text()
     assert "expert load (bytes each rank's experts computed" in text, text
     assert "MoE layer 1: step 3:" in text, text
+
+
+def test_the_simulator_prices_an_ep_step_as_its_compute_then_its_exchanges() -> None:
+    from lamina.runtime.render import EXPERT_STEP
+    from lamina.simulate import cluster_from_dict, predict
+    from lamina.strategies.ep.find import MoeLayer
+    from lamina.strategies.ep.plan_nodes import ExpertPlanInput, PlanGroup, build_expert_plan
+
+    layers = tuple(MoeLayer(f"layers.{i}.experts", 8, 256, 512, 2, tokens=256) for i in range(2))
+    everyone = PlanGroup((0, 1, 2, 3), "ep")
+    plan = build_expert_plan(
+        ExpertPlanInput(
+            layers,
+            everyone,
+            everyone,
+            PlanGroup((0,), ""),
+            everyone,
+            {"float32": 650_000},
+            {"float32": 6_000_000},
+            (),
+            4,
+            "gloo",
+        ),
+        meta=((EXPERT_STEP, "0.12"),),
+    )
+    cluster = cluster_from_dict(
+        {
+            "hosts": 2,
+            "devices_per_host": 2,
+            "intra": {"bandwidth_gbps": 1.0, "latency_us": 500},
+            "inter": {"bandwidth_gbps": 0.025, "latency_us": 100},
+            "mesh": {"ep": 4},
+        }
+    )
+    predicted = predict(plan, cluster)
+    assert predicted.expert is not None and predicted.expert.compute_s == pytest.approx(0.12)
+    assert predicted.step_s == pytest.approx(0.12 + predicted.total_s)
+    tokens = [c for c in predicted.per_step if c.node == "moe.0.tokens"]
+    assert tokens and tokens[0].op == "all_to_all" and tokens[0].nbytes == 256 * 2 * 256 * 4
+    # across the hosts: 2 of the 3 peers sit behind the uplink both ranks of a host share
+    assert tokens[0].link_seconds("inter") > tokens[0].link_seconds("intra") > 0
+    assert "expert parallel on ep: compute 120.0 ms" in predicted.report()

@@ -319,6 +319,21 @@ class Strategy(abc.ABC):
         )
 
 
+def named_axis_placement(mesh: DeviceMesh, axis: str, strategy: str) -> Placement:
+    """The mesh axis named ``axis`` (a one-axis mesh: its axis), replicated over the
+    others: where a strategy of its own axis (``cp``, ``ep``) goes by default; a
+    ConfigError naming the mesh to build otherwise."""
+    if axis in mesh.axis_names:
+        rest = tuple(a for a in mesh.axis_names if a != axis)
+        return Placement(shard=(axis,), replicate=rest)
+    if len(mesh.axis_names) == 1:
+        return Placement(shard=mesh.axis_names)
+    raise ConfigError(
+        f"strategy {strategy!r} needs a mesh axis named {axis!r} (the mesh has "
+        f"{list(mesh.axis_names)}); call lamina.init(mesh={{'dp_shard': N, {axis!r}: M}})"
+    )
+
+
 def axis_names(mesh: DeviceMesh, wanted: Sequence[str], strategy: str) -> tuple[str, ...]:
     """``wanted`` if every name is an axis of ``mesh``; else a ConfigError that says how to
     build such a mesh."""

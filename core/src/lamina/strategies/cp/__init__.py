@@ -36,6 +36,7 @@ from lamina.strategies.contract import (
     StepInputs,
     Strategy,
     StrategyOptions,
+    named_axis_placement,
 )
 from lamina.strategies.cp.choose import Priced, Timed, measure_on_job, ulysses_refusal
 from lamina.strategies.cp.choose import choose_algorithms as choose_attention
@@ -99,15 +100,7 @@ class ContextParallelStrategy(Strategy):
 
     def default_placement(self, mesh: DeviceMesh) -> Placement:
         """The ``cp`` axis (a one-axis mesh: its axis), replicated over the others."""
-        if CP_AXIS in mesh.axis_names:
-            rest = tuple(a for a in mesh.axis_names if a != CP_AXIS)
-            return Placement(shard=(CP_AXIS,), replicate=rest)
-        if len(mesh.axis_names) == 1:
-            return Placement(shard=mesh.axis_names)
-        raise ConfigError(
-            f"strategy 'cp' needs a mesh axis named 'cp' (the mesh has "
-            f"{list(mesh.axis_names)}); call lamina.init(mesh={{'dp_shard': N, 'cp': M}})"
-        )
+        return named_axis_placement(mesh, CP_AXIS, self.name)
 
     def _setup(
         self,

@@ -2,16 +2,19 @@
 
 - **Compute**: a rank's forward and backward of the whole model on its own example
   batch, every rank at once (so each runs at its share of the machine, as in the step),
-  the slowest rank's time, median of four after one warm-up. Each MoE layer runs as the
-  dispatch does, without moving a token and with a rank's share of the experts: its
-  assignments counted, sorted by local expert, computed one expert at a time and
-  combined back, with a one-element all-reduce over
+  the slowest rank's time, median of eight after one warm-up. Each MoE layer runs as the
+  dispatch does, without moving a token: its assignments counted and the counts
+  exchanged, then a rank's share of the experts computing as many rows as the routing
+  sends them (so the busiest rank computes the most, as in the step), one expert at a
+  time, and the results combined back, with a one-element all-reduce over
   the ep group where the step exchanges (forward and backward), so each rank waits for
   the others there as it will. This is the ep step's compute without its exchanges'
   bytes; the simulator adds those (:mod:`lamina.simulate.expert`).
 - **Routing**: the assignments each rank's example batch routed to each expert, per MoE
-  layer, gathered over the ep group; the busiest rank's exchange (:func:`busiest_exchange`),
-  the largest over the ep groups, sizes the plan's token all-to-alls on every rank.
+  layer, gathered over the ep group; the mean rank's exchange with the other ranks
+  (:func:`mean_exchange`), the largest over the ep groups, sizes the plan's token
+  all-to-alls on every rank (a link shared by several ranks carries their sum; the
+  busiest rank's extra work is in the compute, where the others wait for it).
 
 Collective over the whole job (barriers, maxima) and the ep group (the gather); the
 gradients the timed backward leaves are dropped and the ones before it restored.
@@ -36,17 +39,17 @@ from lamina.strategies.ep.experts import grouped_experts
 from lamina.strategies.ep.find import MoeLayer
 
 #: Timed steps (the first warms up).
-TIMED_STEPS = 5
+TIMED_STEPS = 9
 
 
 @dataclass(frozen=True)
 class ExpertMeasured:
-    """The MoE layers, the local step's seconds, and per layer the assignments the
-    busiest rank of any ep group sends to or receives from the other ranks."""
+    """The MoE layers, the local step's seconds, and per layer the assignments a rank of
+    the busiest ep group sends to the other ranks on average."""
 
     layers: tuple[MoeLayer, ...]
     step_s: float
-    busiest: tuple[int, ...]
+    exchanged: tuple[int, ...]
 
 
 def measure_on_job(
@@ -83,15 +86,15 @@ def measure_on_job(
     else:
         everyone = [mine]
     routed = [rank.cpu().tolist() for rank in everyone]
-    busiest = torch.tensor(
-        [busiest_exchange(tuple(tuple(rank[i]) for rank in routed)) for i in range(len(layers))],
+    exchanged = torch.tensor(
+        [mean_exchange(tuple(tuple(rank[i]) for rank in routed)) for i in range(len(layers))],
         dtype=torch.int64,
         device=device,
     )
     # the busiest ep group's, so that every rank plans the same exchanges
-    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(exchanged, op=dist.ReduceOp.MAX)
     return ExpertMeasured(
-        layers, statistics.median(times[1:]), tuple(int(b) for b in busiest.tolist())
+        layers, statistics.median(times[1:]), tuple(int(b) for b in exchanged.tolist())
     )
 
 
@@ -135,26 +138,44 @@ def _dispatched_in_place(
 def _local_dispatch(
     module: nn.Module, size: int, group: dist.ProcessGroup | None
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The experts' forward as one ep rank computes it: ``1 / size`` of the experts (a
-    copy of the first ones, so that weights and their gradients are the size a rank
-    holds), each assignment given to the local expert its expert id maps to."""
+    """The experts' forward as one ep rank computes it, without moving a token: the
+    assignment counts exchanged as the step exchanges them, then ``1 / size`` of the
+    experts (a copy of this rank's, so that weights and their gradients are the size a
+    rank holds) computing as many rows as the routing sends them (this rank's own
+    assignments, repeated to that count: the busiest rank computes the most, as in the
+    step), and this rank's assignments' results combined back."""
     whole_up, whole_down = module.gate_up_proj, module.down_proj
     act = getattr(module, "act_fn", F.silu)
     assert isinstance(whole_up, torch.Tensor) and isinstance(whole_down, torch.Tensor)
-    local = max(1, whole_up.shape[0] // size)
-    gate_up = whole_up[:local].detach().clone().requires_grad_(whole_up.requires_grad)
-    down = whole_down[:local].detach().clone().requires_grad_(whole_down.requires_grad)
+    experts = whole_up.shape[0]
+    local = max(1, experts // size)
+    index = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
+    first = index * local
+    gate_up = whole_up[first : first + local].detach().clone()
+    down = whole_down[first : first + local].detach().clone()
+    gate_up.requires_grad_(whole_up.requires_grad)
+    down.requires_grad_(whole_down.requires_grad)
 
     def forward(
         hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        flat = top_k_index.reshape(-1) % local
+        flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // top_k_index.shape[1]
-        counts = torch.bincount(flat, minlength=local).tolist()
-        sent = _Exchanged.apply(hidden[token_of], group)  # type: ignore[no-untyped-call]
-        computed = grouped_experts(gate_up, down, act, sent, counts)
-        results = _Exchanged.apply(computed, group)  # type: ignore[no-untyped-call]
+        counts = torch.bincount(flat, minlength=experts)
+        received = counts.clone()
+        if group is not None:
+            dist.all_to_all_single(received, counts, group=group)
+        per_local = received.reshape(size, local).sum(0).tolist()
+        rows = sum(per_local)
+        mine = _Exchanged.apply(hidden[token_of], group)  # type: ignore[no-untyped-call]
+        if rows == 0 or mine.shape[0] == 0:
+            results = mine.new_zeros(mine.shape)
+        else:
+            take = torch.arange(rows, device=mine.device) % mine.shape[0]
+            computed = grouped_experts(gate_up, down, act, mine[take], per_local)
+            back = torch.arange(mine.shape[0], device=mine.device) % rows
+            results = _Exchanged.apply(computed, group)[back]  # type: ignore[no-untyped-call]
         weights = top_k_weights.reshape(-1)[order].to(results.dtype)
         combined = torch.zeros_like(hidden, dtype=results.dtype)
         combined = combined.index_add(0, token_of, results * weights[:, None])
@@ -163,19 +184,16 @@ def _local_dispatch(
     return forward
 
 
-def busiest_exchange(routed: tuple[tuple[int, ...], ...]) -> int:
-    """Assignments the busiest rank of the group sends to, or receives from, the other
-    ranks in one layer's token exchange, from each rank's per-expert counts (experts
-    held in equal consecutive slices)."""
+def mean_exchange(routed: tuple[tuple[int, ...], ...]) -> int:
+    """Assignments a rank of the group sends to the other ranks in one layer's token
+    exchange, on average (rounded up), from each rank's per-expert counts (experts held
+    in equal consecutive slices)."""
     size = len(routed)
     local = len(routed[0]) // size
-    busiest = 0
-    for rank in range(size):
-        own = range(rank * local, (rank + 1) * local)
-        sent = sum(c for e, c in enumerate(routed[rank]) if e not in own)
-        received = sum(routed[other][e] for other in range(size) if other != rank for e in own)
-        busiest = max(busiest, sent, received)
-    return busiest
+    off_rank = sum(
+        c for rank in range(size) for e, c in enumerate(routed[rank]) if e // local != rank
+    )
+    return -(-off_rank // size)
 
 
 def _scalar(out: Any) -> torch.Tensor:
@@ -190,4 +208,4 @@ def _scalar(out: Any) -> torch.Tensor:
     return sum((t.float().sum() for t in leaves), torch.zeros(()))
 
 
-__all__ = ["ExpertMeasured", "busiest_exchange", "measure_on_job"]
+__all__ = ["ExpertMeasured", "mean_exchange", "measure_on_job"]

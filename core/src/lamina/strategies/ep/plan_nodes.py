@@ -4,13 +4,13 @@ Per MoE layer ``i`` (:class:`~.dispatch.DispatchNodes`): forward, the assignment
 all-to-all (``moe.i.counts``), the tokens' (``moe.i.tokens``) and the results'
 (``moe.i.results``); backward, the results' gradients going back to the experts
 (``moe.i.results_grad``) and the tokens' gradients to their ranks (``moe.i.tokens_grad``).
-The token exchanges are sized from the routing measured on the example batch (the
-busiest rank's, as if every rank exchanged as much), or for an even routing (each rank
-its ``tokens x k`` assignments); what a step really moves follows the router and is what
-the run log records. With a global load-balancing loss, one all-reduce of the assignment counts over
-the data replicas (``moe.aux_counts``). After backward, the dense gradients are averaged
-over the ep axis and the replica axes (``gradients.dense.<dtype>``) and the experts' over
-the replica axes (``gradients.experts.<dtype>``).
+The token exchanges are sized from the routing measured on the example batch (the mean
+rank's exchange with the others), or for an even routing (each rank its ``tokens x k``
+assignments); what a step really moves follows the router and is what the run log
+records. With a global load-balancing loss, one all-reduce of the assignment counts
+over the data replicas (``moe.aux_counts``). After backward, the dense gradients are
+averaged over the ep axis and the replica axes (``gradients.dense.<dtype>``) and the
+experts' over the replica axes (``gradients.experts.<dtype>``).
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ class ExpertPlanInput:
     backend: str
     #: Shards a later sharder cuts each gradient into (1: none).
     sharded: int = 1
-    #: Per layer, the assignments a rank's token exchange is sized for (the busiest rank
-    #: of the measured routing scaled to the whole exchange; absent: an even routing).
+    #: Per layer, the assignments a rank's token exchange is sized for (the mean rank's
+    #: off-rank share of the measured routing as a whole exchange; absent: an even
+    #: routing).
     exchanged: tuple[int, ...] = ()
 
 

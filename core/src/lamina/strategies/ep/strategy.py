@@ -35,6 +35,7 @@ from lamina.strategies.contract import (
     StepInputs,
     Strategy,
     StrategyOptions,
+    named_axis_placement,
 )
 from lamina.strategies.ep.aux_loss import BalanceGroup, use_global_balance_loss
 from lamina.strategies.ep.dispatch import ExpertGroup
@@ -90,15 +91,7 @@ class ExpertParallelStrategy(Strategy):
 
     def default_placement(self, mesh: DeviceMesh) -> Placement:
         """The ``ep`` axis (a one-axis mesh: its axis), replicated over the others."""
-        if EP_AXIS in mesh.axis_names:
-            rest = tuple(a for a in mesh.axis_names if a != EP_AXIS)
-            return Placement(shard=(EP_AXIS,), replicate=rest)
-        if len(mesh.axis_names) == 1:
-            return Placement(shard=mesh.axis_names)
-        raise ConfigError(
-            f"strategy 'ep' needs a mesh axis named 'ep' (the mesh has "
-            f"{list(mesh.axis_names)}); call lamina.init(mesh={{'dp_shard': N, 'ep': M}})"
-        )
+        return named_axis_placement(mesh, EP_AXIS, self.name)
 
     def roles(self, placement: Placement) -> tuple[Role, ...]:
         """``split`` of the experts over the ep axis, which is a data axis (each rank its
@@ -316,12 +309,12 @@ class ExpertParallelStrategy(Strategy):
 
 
 def _exchanged(measured: Any, size: int) -> tuple[int, ...]:
-    """Per layer, the assignments the plan sizes a rank's token exchange for: the
-    busiest rank's off-rank share of the measured routing, as a whole exchange (``size /
-    (size - 1)`` of it); empty without a measurement."""
+    """Per layer, the assignments the plan sizes a rank's token exchange for: the mean
+    rank's off-rank share of the measured routing, as a whole exchange (``size / (size -
+    1)`` of it); empty without a measurement."""
     if not isinstance(measured, ExpertMeasured) or size < 2:
         return ()
-    return tuple(-(-b * size // (size - 1)) for b in measured.busiest)
+    return tuple(-(-b * size // (size - 1)) for b in measured.exchanged)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
