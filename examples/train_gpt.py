@@ -126,7 +126,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("none", "step"),
         default="none",
         help="step: the whole step (forward, loss, backward, the plan's collectives, AdamW) "
-        "as one captured graph (lamina.compile_step; dp, zero3, hsdp; no --grad-clip)",
+        "as one captured graph (lamina.compile_step; dp, zero3, hsdp; clipping at "
+        "--grad-clip in dp's graph, by the eager step elsewhere)",
     )
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of --compile step"
@@ -143,8 +144,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --keep must be >= 1")
     if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
-    if args.compile == "step" and args.grad_clip > 0:
-        p.error("--compile step captures the step without clipping: add --grad-clip 0")
     if args.strategy == "pp" and args.compile != "none":
         p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
     if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
@@ -327,7 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer, lambda s: lr_factor(s, max(1, warmup), args.max_steps)
         )
         compiled = (
-            lamina.compile_step(model, optimizer, lm_loss, backend=args.compile_backend)
+            lamina.compile_step(
+                model,
+                optimizer,
+                lm_loss,
+                backend=args.compile_backend,
+                max_norm=args.grad_clip if args.grad_clip > 0 else None,
+            )
             if args.compile == "step"
             else None
         )

@@ -522,3 +522,79 @@ def test_a_zero3_step_that_cannot_be_captured_gathers_again_as_its_plan_says() -
     assert "run fallbacks" in summary and "kept gathered" not in summary, summary
     kept = [f for f in model.execution_plan.fallbacks if f.alternative.startswith("kept")]
     assert kept and not any(f.taken for f in kept)
+
+
+#: A total norm every step's gradients exceed: the clipping really scales them.
+CLIP = 0.05
+
+
+def _clipped_against_eager(strategy: str, optimizer_name: str) -> dict[str, Any]:
+    """5 steps of ``strategy``'s compiled step clipping at :data:`CLIP` against its eager
+    step clipping with ``model.clip_grad_norm_`` (rank-seeded weights and batches)."""
+    runtime = lamina.init()
+    torch.manual_seed(runtime.rank)
+    initial = _Net()
+    options: dict[str, Any] = {"bucket_cap_mb": 0.002} if strategy == "dp" else {}
+    eager = lamina.distribute(copy.deepcopy(initial), strategy, **options)
+    compiled = lamina.distribute(copy.deepcopy(initial), strategy, **options)
+    opt_eager = _optimizer(optimizer_name, eager, ADAMW_LR)
+    opt_compiled = _optimizer(optimizer_name, compiled, ADAMW_LR)
+    step = lamina.compile_step(
+        compiled, opt_compiled, F.mse_loss, backend="aot_eager", max_norm=CLIP
+    )
+    worst_loss = worst_norm = 0.0
+    norms = []
+    for k in range(STEPS):
+        generator = torch.Generator().manual_seed(100 * k + runtime.rank)
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        loss = step(x, y)
+        opt_eager.zero_grad(set_to_none=True)
+        reference = F.mse_loss(eager(x), y)
+        reference.backward()
+        norm = eager.clip_grad_norm_(CLIP)
+        opt_eager.step()
+        assert step.last_grad_norm is not None
+        norms.append(float(norm))
+        worst_loss = max(worst_loss, abs(float(loss) - float(reference)))
+        worst_norm = max(worst_norm, abs(float(step.last_grad_norm) - float(norm)) / float(norm))
+    ours, theirs = full_params(compiled), full_params(eager)
+    plan = compiled.execution_plan
+    assert plan is not None
+    return {
+        "loss": worst_loss,
+        "norm": worst_norm,
+        "norms": norms,
+        "param": max((ours[n] - theirs[n]).abs().max().item() for n in ours),
+        "modes": sorted({n.detail.mode for n in plan.nodes if hasattr(n.detail, "mode")}),
+        "eager_reason": step.eager_reason,
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("strategy", "optimizer"), [("dp", "sgd"), ("zero3", "adamw")])
+def test_clipping_in_the_compiled_step_equals_the_eager_step_clipping(
+    strategy: str, optimizer: str
+) -> None:
+    for result in run_ranks(_clipped_against_eager, 2, args=(strategy, optimizer), timeout=280):
+        assert min(result["norms"]) > CLIP, result  # every step clipped
+        assert result["loss"] <= TOLERANCE and result["param"] <= TOLERANCE, result
+        assert result["norm"] <= TOLERANCE, result
+        if strategy == "dp":  # in the graph
+            assert result["modes"] == ["compiled_step:aot_eager"], result
+            assert result["eager_reason"] == "", result
+        else:  # a declared fallback: the eager step clips
+            assert result["modes"] == ["eager"], result
+            assert result["eager_reason"].startswith(
+                "gradient clipping (max_norm=0.05) is not in this strategy's graph yet"
+            ), result
+
+
+def test_compile_step_refuses_a_max_norm_that_is_not_a_positive_number() -> None:
+    lamina.init()
+    model = lamina.distribute(_Net(), "dp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (0, -1.0, "1.0"):
+        with pytest.raises(ConfigError) as error:
+            lamina.compile_step(model, opt, F.mse_loss, max_norm=bad)  # type: ignore[arg-type]
+        assert "\n" not in str(error.value)
+        assert str(error.value).startswith(f"compile_step: max_norm={bad!r}; pass the total")

@@ -169,6 +169,8 @@ def compile_step(
     eager_random: bool = True,
     device_graphs: bool = True,
     overlap: bool = False,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
 ) -> CompiledStep:
     """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
     ``hsdp``) as one captured graph, built by the strategy that distributed it
@@ -186,9 +188,20 @@ def compile_step(
     where the device captures a step (CUDA graphs) each compiled shape is replayed as one
     device graph from its second call. With ``overlap``, Inductor issues each collective
     as soon as its input is computed (DP's buckets where their last gradient is produced)
-    and waits for it as late as it can."""
+    and waits for it as late as it can. With ``max_norm`` the gradients are clipped to
+    that total norm (``norm_type``) before the update, as
+    ``torch.nn.utils.clip_grad_norm_`` clips the whole model's; the norm before clipping
+    is ``step.last_grad_norm`` after each step (in ``dp``'s graph; the other strategies'
+    steps run eagerly to clip, a declared fallback)."""
     settings = StepOptions(
-        backend, max_shapes, on_graph_break, eager_random, device_graphs, overlap
+        backend,
+        max_shapes,
+        on_graph_break,
+        eager_random,
+        device_graphs,
+        overlap,
+        max_norm,
+        norm_type,
     )
     runtime = current()
     job = StepJob(runtime.control_group, runtime.handle) if runtime is not None else StepJob()

@@ -76,8 +76,26 @@ class StepOptions:
     eager_random: bool = True
     device_graphs: bool = True
     overlap: bool = False
+    #: Clip the gradients to this total norm before the update (None: no clipping), as
+    #: ``torch.nn.utils.clip_grad_norm_`` does over the whole model.
+    max_norm: float | None = None
+    norm_type: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.max_norm is not None and (
+            not isinstance(self.max_norm, int | float)
+            or isinstance(self.max_norm, bool)
+            or not self.max_norm > 0
+        ):
+            raise ConfigError(
+                f"compile_step: max_norm={self.max_norm!r}; pass the total gradient norm to "
+                "clip to (a number > 0), or None not to clip"
+            )
+        if not isinstance(self.norm_type, int | float) or not self.norm_type > 0:
+            raise ConfigError(
+                f"compile_step: norm_type={self.norm_type!r}; pass the norm's order (2.0, "
+                "1.0, float('inf'), ...)"
+            )
         if not isinstance(self.max_shapes, int) or self.max_shapes < 1:
             raise ConfigError(
                 f"compile_step: max_shapes={self.max_shapes!r}; pass how many input shapes to "
@@ -135,6 +153,9 @@ class CompiledStep(ABC):
         self._failed_at_run = False
         self._declared = False
         self._compiled: Callable[..., Any] | None = None
+        #: The total gradient norm of the last step, before clipping (None: no clipping
+        #: asked, or no step yet), on every rank.
+        self.last_grad_norm: torch.Tensor | None = None
 
     # -- what a strategy says ----------------------------------------------------------------
     @property
@@ -165,6 +186,10 @@ class CompiledStep(ABC):
         """Why the step cannot be one graph, known before the capture ('' if it can),
         besides an optimizer whose update is not traced (checked here for every one)."""
 
+    #: Whether the strategy's graph clips the gradients itself (else clipping runs the
+    #: eager step, a declared plan-time fallback).
+    clips_in_graph: bool = False
+
     @abstractmethod
     def _planned_calls(self) -> Sequence[PlannedCall]:
         """The collective calls the graph issues, in the plan's order."""
@@ -177,7 +202,8 @@ class CompiledStep(ABC):
     def _graph(
         self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
     ) -> torch.Tensor:
-        """Forward, loss, backward, the plan's collectives, the update: what is captured."""
+        """Forward, loss, backward, the plan's collectives, the update: what is captured;
+        the loss (with clipping: the loss and the total norm, stacked)."""
 
     @abstractmethod
     def _issued(self) -> Sequence[str]:
@@ -247,6 +273,8 @@ class CompiledStep(ABC):
         log.end_backward()
         # the optimizer stepped: an LR scheduler checks this mark of optimizer.step()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        if self.options.max_norm is not None:  # the graph returned the loss and the norm
+            loss, self.last_grad_norm = loss[0], loss[1]
         return loss
 
     def _capture_failed(self, exc: Exception, reached_backend: bool) -> None:
@@ -280,6 +308,11 @@ class CompiledStep(ABC):
         assert plan is not None
         optimizer = unsupported_reason(self.optimizer)
         reason = f"the optimizer: {optimizer}" if optimizer else self._plan_time_reason(plan)
+        if not reason and self.options.max_norm is not None and not self.clips_in_graph:
+            reason = (
+                f"gradient clipping (max_norm={self.options.max_norm}) is not in this "
+                "strategy's graph yet: the eager step clips"
+            )
         self.eager_reason = reason
         node = self.step_node
         fallbacks = [
@@ -369,10 +402,35 @@ class CompiledStep(ABC):
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(*inputs), target)
         loss.backward()  # type: ignore[no-untyped-call]
+        if self.options.max_norm is not None:
+            clip = getattr(self.model, "clip_grad_norm_", None)
+            norm = (
+                clip(self.options.max_norm, self.options.norm_type)
+                if callable(clip)
+                else torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.options.max_norm, self.options.norm_type
+                )
+            )
+            self.last_grad_norm = norm.detach()
         self.optimizer.step()
         if self._failed_at_run:
             self.run_log.fallback(self.step_node, EAGER, self.eager_reason)
         return loss.detach()
+
+
+def clipped(
+    grads: dict[str, torch.Tensor], max_norm: float, norm_type: float
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``grads`` (whole, the same on every rank) scaled as
+    ``torch.nn.utils.clip_grad_norm_`` scales them, and their total norm (traceable)."""
+    values = list(grads.values())
+    if norm_type == float("inf"):
+        total = torch.stack([g.detach().abs().max() for g in values]).max()
+    else:
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in values])
+        total = torch.linalg.vector_norm(norms, norm_type)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return {n: g * scale for n, g in grads.items()}, total
 
 
 def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,6 +10,9 @@ captures one graph per rank holding:
 - the plan's gradient all-reduces, one per bucket in the plan's order, each over the
   bucket's slots (read from the plan's nodes) as a traceable functional collective
   (``torch.distributed._functional_collectives``), then divided by the group size;
+- with ``max_norm``, the averaged gradients clipped to that total norm as
+  ``torch.nn.utils.clip_grad_norm_`` clips them (they are whole on every rank: no
+  collective), the norm returned beside the loss (``step.last_grad_norm``);
 - the optimizer's update, torch's own (:mod:`lamina.strategies.compiled.functional_optim`).
 
 Buffers are broadcast before each step, as the eager step does, outside the graph. The
@@ -44,7 +47,13 @@ from lamina.strategies.compiled.graph_algorithms import (
     hierarchical_calls,
 )
 from lamina.strategies.compiled.graph_collectives import PlannedCall
-from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
+from lamina.strategies.compiled.step import (
+    CompiledStep,
+    LossFn,
+    StepJob,
+    StepOptions,
+    clipped,
+)
 from lamina.strategies.contract import StepInputs
 from lamina.strategies.dp import plan as plan_dp
 from lamina.strategies.dp.planner import DataParallelState, seen_as
@@ -57,6 +66,8 @@ IN_GRAPH = ("flat", "hierarchical", "pipelined")
 class DataParallelCompiledStep(CompiledStep):
     """``loss = step(*inputs, target)``: one training step of a ``dp`` model (see the
     module docstring)."""
+
+    clips_in_graph = True
 
     def __init__(
         self,
@@ -191,8 +202,14 @@ class DataParallelCompiledStep(CompiledStep):
 
         grads, loss = grad_and_value(loss_of)(params)
         averaged = self._all_reduced(grads)
+        max_norm = self.options.max_norm
+        norm = None
+        if max_norm is not None:  # the averaged gradients are whole on every rank
+            averaged, norm = clipped(averaged, max_norm, self.options.norm_type)
         self._functional.update(updated, [[averaged[n] for n in names] for names in grouped], lrs)
         detached: torch.Tensor = loss.detach()
+        if norm is not None:
+            return torch.stack([detached, norm.to(detached.dtype)])
         return detached
 
     def _all_reduced(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
