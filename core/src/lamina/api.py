@@ -191,8 +191,9 @@ def compile_step(
     and waits for it as late as it can. With ``max_norm`` the gradients are clipped to
     that total norm (``norm_type``) before the update, as
     ``torch.nn.utils.clip_grad_norm_`` clips the whole model's; the norm before clipping
-    is ``step.last_grad_norm`` after each step (in ``dp``'s graph; the other strategies'
-    steps run eagerly to clip, a declared fallback)."""
+    is ``step.last_grad_norm`` after each step (inside the graph of ``dp``, ``zero3`` and
+    ``hsdp``; a strategy whose graph does not clip runs the eager step to clip, a declared
+    fallback)."""
     settings = StepOptions(
         backend,
         max_shapes,

@@ -186,8 +186,8 @@ class CompiledStep(ABC):
         """Why the step cannot be one graph, known before the capture ('' if it can),
         besides an optimizer whose update is not traced (checked here for every one)."""
 
-    #: Whether the strategy's graph clips the gradients itself (else clipping runs the
-    #: eager step, a declared plan-time fallback).
+    #: Whether the strategy's graph clips the gradients itself (dp, zero3, hsdp; else
+    #: clipping runs the eager step, a declared plan-time fallback).
     clips_in_graph: bool = False
 
     @abstractmethod

@@ -15,6 +15,9 @@ call on, one graph per rank holds, read from the plan's nodes:
   lays it, used-flags included), in the plan's backward order, with its planned
   primitive, averaged; with replicas (HSDP) the all-reduce of the shard gradient across
   them;
+- with ``max_norm``, the shards' gradients clipped as
+  ``torch.nn.utils.clip_grad_norm_`` clips the whole model's: each rank's part of the
+  norm all-reduced over the shard group (plan node ``grad_norm.all_reduce``);
 - the optimizer's update of the local shards, torch's own, written into the shard
   buffers the parameters are views of.
 
@@ -46,7 +49,7 @@ from torch.func import functional_call, grad_and_value
 from lamina.memory.engine import UnitState
 from lamina.memory.hierarchy import HostHierarchy
 from lamina.memory.layout import ParamShard, UnitLayout
-from lamina.runtime import ExecutionPlan, Fallback, RunLog
+from lamina.runtime import Collective, CollectiveSpec, ExecutionPlan, Fallback, PlanNode, RunLog
 from lamina.strategies.compiled.functional_optim import UpdatedTensors, trained
 from lamina.strategies.compiled.graph_algorithms import (
     gather_calls,
@@ -62,6 +65,8 @@ from lamina.strategies.zero3.plan import gather_node, replicate_node, scatter_no
 
 #: What the plan's backward gathers become in the compiled step.
 KEPT = "kept gathered from its forward"
+#: Plan node of the gradient norm's all-reduce over the shard group (with clipping).
+NORM_NODE = "grad_norm.all_reduce"
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,6 +79,8 @@ class ShardedCompiledStep(CompiledStep):
     """``loss = step(*inputs, target)``: one training step of a ``zero3`` or ``hsdp``
     model (see the module docstring); ``model_class`` is the model's own class, which the
     strategy recorded before extending it (built by ``Zero3Strategy.compiled_step``)."""
+
+    clips_in_graph = True
 
     def __init__(
         self,
@@ -179,7 +186,14 @@ class ShardedCompiledStep(CompiledStep):
             for n in plan.nodes
             if n.id == gather_node(n.unit, "bwd")
         ]
-        return dataclasses.replace(declared, fallbacks=(*declared.fallbacks, *kept))
+        declared = dataclasses.replace(declared, fallbacks=(*declared.fallbacks, *kept))
+        if compiled and self._clips_over_ranks():
+            declared = _with_norm_node(declared, self._order[0])
+        return declared
+
+    def _clips_over_ranks(self) -> bool:
+        """Whether the graph all-reduces the gradient norm (clipping, several shards)."""
+        return self.options.max_norm is not None and self._order[0].layout.world_size > 1
 
     def _now_eager(self) -> None:
         """The eager step gathers again for backward: the plan's backward gathers run."""
@@ -240,7 +254,10 @@ class ShardedCompiledStep(CompiledStep):
 
     def _planned_calls(self) -> list[PlannedCall]:
         calls = [c for unit in self._order for c in self._gather_calls(unit)]
-        return calls + [c for unit in self._backward_order() for c in self._scatter_calls(unit)]
+        calls += [c for unit in self._backward_order() for c in self._scatter_calls(unit)]
+        if self._clips_over_ranks():
+            calls.append(PlannedCall(NORM_NODE, "all_reduce", 1))
+        return calls
 
     def _issued(self) -> list[str]:
         return list(dict.fromkeys(c.node for c in self._planned_calls()))
@@ -294,10 +311,39 @@ class ShardedCompiledStep(CompiledStep):
             for p in layout.params:
                 local_grads[p.name] = _local_slice(mean, p, rank)
                 local_params[p.name] = _local_slice(shard, p, rank)
+        norm = None
+        if self.options.max_norm is not None:
+            local_grads, norm = self._clipped(local_grads)
         updated = UpdatedTensors([[local_params[n] for n in names] for names in grouped], states)
         self._functional.update(updated, [[local_grads[n] for n in g] for g in grouped], lrs)
         detached: torch.Tensor = loss.detach()
+        if norm is not None:
+            return torch.stack([detached, norm.to(detached.dtype)])
         return detached
+
+    def _clipped(
+        self, local_grads: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The shards' gradients scaled as ``torch.nn.utils.clip_grad_norm_`` scales the
+        whole model's, and the total norm: each rank's part of the norm, summed (or the
+        largest taken) over the shard group, where every element lies on one rank; replicas
+        (HSDP) hold the same shards."""
+        max_norm, norm_type = self.options.max_norm, self.options.norm_type
+        assert max_norm is not None
+        values = [g.detach() for g in local_grads.values() if g.numel()]
+        infinite = norm_type == float("inf")
+        zero = torch.zeros((), device=values[0].device if values else None)
+        if infinite:
+            part = torch.stack([zero, *(g.abs().max() for g in values)]).max()
+        else:
+            part = torch.stack(
+                [zero, *(torch.linalg.vector_norm(g, norm_type) ** norm_type for g in values)]
+            ).sum()
+        if self._clips_over_ranks():
+            part = funcol.all_reduce(part, "max" if infinite else "sum", _group(self._order[0]))
+        total = part if infinite else part ** (1.0 / norm_type)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return {n: g * scale for n, g in local_grads.items()}, total
 
     def _requires_grad(self, name: str) -> bool:
         return bool(self._param(name).requires_grad)
@@ -307,6 +353,22 @@ class ShardedCompiledStep(CompiledStep):
             if name in unit.params:
                 return unit.params[name]
         raise KeyError(name)
+
+
+def _with_norm_node(plan: ExecutionPlan, unit: UnitState) -> ExecutionPlan:
+    """``plan`` with the gradient norm's all-reduce over ``unit``'s shard group (one
+    float32), on the group and axis of the unit's reduce-scatter."""
+    scatter = plan.node(scatter_node(unit.layout.name)).collective
+    assert scatter is not None
+    norm = PlanNode(
+        NORM_NODE,
+        "collective",
+        "backward",
+        "gradient norm: each shard's part summed over the shard group (clipping)",
+        Collective("gradient", layer="gradient norm"),
+        CollectiveSpec("all_reduce", "float32", 1, 4, scatter.group, axis=scatter.axis),
+    )
+    return plan.with_nodes((*plan.nodes, norm))
 
 
 def _group(unit: UnitState) -> dist.ProcessGroup:
