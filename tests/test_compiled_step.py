@@ -42,6 +42,8 @@ pytestmark = [pytest.mark.portable, pytest.mark.multiprocess]
 
 STEPS = 5
 TOLERANCE = 1e-6
+#: A total norm every step's gradients exceed: the clipping really scales them.
+CLIP = 0.05
 
 
 class _Net(nn.Module):
@@ -259,10 +261,16 @@ def test_an_optimizer_whose_update_is_not_traced_is_a_plan_fallback_with_the_rea
 
 # -- zero3, hsdp and dp on a declared 2 x 2 topology ----------------------------------------
 def _strategy_against_eager(
-    strategy: str, optimizer_name: str, initial: nn.Module, data: Any, loss_fn: Any
+    strategy: str,
+    optimizer_name: str,
+    initial: nn.Module,
+    data: Any,
+    loss_fn: Any,
+    max_norm: float | None = None,
 ) -> dict[str, Any]:
     """5 steps of ``strategy``'s compiled step against its eager step, from ``initial``
-    (rank-seeded), both drawing dropout from the same seed each step. The loss is compared
+    (rank-seeded), both drawing dropout from the same seed each step (with ``max_norm``,
+    both clipping: the eager step with ``model.clip_grad_norm_``). The loss is compared
     relative to its size (above 1): the graph's optimizer arithmetic is torch's, but AOT
     autograd decomposes some of its ops, so the parameters differ by fp32 rounding."""
     options: dict[str, Any] = {"bucket_cap_mb": 0.002} if strategy == "dp" else {}
@@ -272,8 +280,11 @@ def _strategy_against_eager(
     compiled = lamina.distribute(copy.deepcopy(initial), strategy, **options)
     opt_eager = _optimizer(optimizer_name, eager, ADAMW_LR)
     opt_compiled = _optimizer(optimizer_name, compiled, ADAMW_LR)
-    step = lamina.compile_step(compiled, opt_compiled, loss_fn, backend="aot_eager")
-    worst_loss = 0.0
+    step = lamina.compile_step(
+        compiled, opt_compiled, loss_fn, backend="aot_eager", max_norm=max_norm
+    )
+    worst_loss = worst_norm = 0.0
+    norms = []
     for k in range(STEPS):
         x, y = data(k)
         torch.manual_seed(1000 + k)  # the same dropout masks, if the graph draws as eager
@@ -282,6 +293,11 @@ def _strategy_against_eager(
         opt_eager.zero_grad(set_to_none=True)
         reference = loss_fn(eager(x), y)
         reference.backward()
+        if max_norm is not None:
+            norm = float(eager.clip_grad_norm_(max_norm))
+            assert step.last_grad_norm is not None
+            norms.append(norm)
+            worst_norm = max(worst_norm, abs(float(step.last_grad_norm) - norm) / norm)
         opt_eager.step()
         expected = float(reference.detach())
         worst_loss = max(worst_loss, abs(float(loss) - expected) / max(1.0, abs(expected)))
@@ -295,6 +311,8 @@ def _strategy_against_eager(
         "algorithms": sorted({n.algorithm.name for n in plan.collectives() if n.algorithm}),
         "summary": compiled.step_summary(),
         "eager_reason": step.eager_reason,
+        "norms": norms,
+        "norm": worst_norm,
     }
 
 
@@ -307,8 +325,13 @@ def _on_two_hosts() -> dict[str, Any]:
 
     # one optimizer each (both are compiled against eager on 2 ranks above): every
     # strategy x optimizer pair here cost 190 s of the test command's two cores
-    runs = [("zero3", "sgd"), ("hsdp", "adamw"), ("dp", "adamw")]
-    return {f"{s}/{o}": _strategy_against_eager(s, o, initial, data, F.mse_loss) for s, o in runs}
+    # hsdp clips at a norm every step exceeds: the norm over the shard group, whose
+    # replicas hold the same shards
+    runs = [("zero3", "sgd", None), ("hsdp", "adamw", CLIP), ("dp", "adamw", None)]
+    return {
+        f"{s}/{o}": _strategy_against_eager(s, o, initial, data, F.mse_loss, clip)
+        for s, o, clip in runs
+    }
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +358,8 @@ def test_zero3_hsdp_and_dp_compiled_steps_equal_eager_on_two_hosts_of_two(
     assert any("over 2 ranks" in line for line in zero3["graphs"][0]), zero3
     assert "gather again for backward -> kept gathered from its forward" in zero3["summary"]
     assert any("all_reduce" in line for line in hsdp["graphs"][0]), hsdp  # across replicas
+    assert min(hsdp["norms"]) > CLIP and hsdp["norm"] <= TOLERANCE, hsdp  # clipped alike
+    assert "all_reduce 1 x float32 over 2 ranks" in hsdp["graphs"][0], hsdp  # the norm
     assert "hierarchical" in dp["algorithms"], dp
 
 
@@ -522,10 +547,6 @@ def test_a_zero3_step_that_cannot_be_captured_gathers_again_as_its_plan_says() -
     assert "run fallbacks" in summary and "kept gathered" not in summary, summary
     kept = [f for f in model.execution_plan.fallbacks if f.alternative.startswith("kept")]
     assert kept and not any(f.taken for f in kept)
-
-
-#: A total norm every step's gradients exceed: the clipping really scales them.
-CLIP = 0.05
 
 
 def _clipped_against_eager(strategy: str, optimizer_name: str) -> dict[str, Any]:
