@@ -22,22 +22,18 @@ if TYPE_CHECKING:
 
 
 class SplitStateModule(DistributedModule):
-    """torch's state-dict methods in whole-tensor terms for the parameters
-    :attr:`split_views` knows; a strategy's module class derives from it."""
-
-    @property
-    def split_views(self) -> GlobalViews:
-        """The views of the parameters the strategy cut (see the module)."""
-        raise NotImplementedError
+    """torch's state-dict methods in whole-tensor terms for the parameters a strategy cut;
+    a strategy's module class derives from it and defines a ``split_views`` property (its
+    :class:`~lamina.strategies.tp.state.GlobalViews`)."""
 
     def _every_split(self) -> _Views:
         """The views of every strategy that cut this model's parameters (``tp`` and
-        ``ep`` composed: each its own)."""
+        ``ep`` composed: each its own), as each module class's ``split_views`` gives them."""
         return _Views(
             [
                 cls.__dict__["split_views"].fget(self)
                 for cls in type(self).__mro__
-                if "split_views" in cls.__dict__ and cls is not SplitStateModule
+                if "split_views" in cls.__dict__
             ]
         )
 
