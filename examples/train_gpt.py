@@ -37,6 +37,7 @@ import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
 from lamina import CheckpointManager, ConfigError, EpochSampler, Fp8Codec, codecs, seed_all
+from lamina.strategies.compiled.step import CompiledStep
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -50,6 +51,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "one); pp cuts the model into --pp stages, replicated over the other ranks; auto "
         "chooses among them (and tp) from predicted step time and memory, on the "
         "topology's hosts x ranks mesh, the global batch --batch-size x ranks",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="zero3: split each layer over this many ranks (tensor parallelism), the model "
+        "sharded over the others (mesh fsdp x tp)",
     )
     p.add_argument("--pp", type=int, default=None, help="pp: pipeline stages (default: every rank)")
     p.add_argument(
@@ -125,9 +133,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compile",
         choices=("none", "step"),
         default="none",
-        help="step: the whole step (forward, loss, backward, the plan's collectives, AdamW) "
-        "as one captured graph (lamina.compile_step; dp, zero3, hsdp; clipping at "
-        "--grad-clip in dp's graph, by the eager step elsewhere)",
+        help="step: the whole step (forward, loss, backward, the plan's collectives, "
+        "clipping at --grad-clip, AdamW) as one captured graph (lamina.compile_step; dp, "
+        "zero3, hsdp, and zero3 with --tp)",
     )
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of --compile step"
@@ -144,6 +152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --keep must be >= 1")
     if (args.codec != "none" or args.codec_scope != "all") and args.strategy != "dp":
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
+    if args.tp < 1 or (args.tp > 1 and args.strategy != "zero3"):
+        p.error("--tp splits layers over ranks of a zero3 model: add --strategy zero3")
     if args.strategy == "pp" and args.compile != "none":
         p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
     if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
@@ -217,12 +227,16 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
 
 def init_mesh(args: argparse.Namespace) -> object:
     """The mesh the strategy runs on: HSDP the topology's inter x intra, pp its stages
-    times the replicas, the others the flat one."""
+    times the replicas, zero3 with --tp fsdp x tp, the others the flat one."""
     if args.strategy in ("hsdp", "auto"):
         return "topology"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp > 1:
+        if world % args.tp:
+            raise SystemExit(f"train_gpt: --tp {args.tp} must divide the {world} rank(s)")
+        return {"fsdp": world // args.tp, "tp": args.tp}
     if args.strategy != "pp":
         return "flat"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = args.pp_tp
     if tp < 1 or world % tp:
         raise SystemExit(f"train_gpt: --pp-tp {tp} must divide the {world} rank(s)")
@@ -306,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "microbatches": args.pp_microbatches,
             }
         strategy: str | list[str] = args.strategy
+        if args.tp > 1:  # layers split over the tp axis, sharded over fsdp
+            strategy = ["tp", args.strategy]
+            options = {"example_inputs": (example,)}
         if args.pp_tp > 1 or args.pp_shard != "none":
             # each stage's layers split over tp; its stages sharded over dp, gathered once
             # per step
@@ -457,7 +474,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"({start + 1}-{args.max_steps})",
                 flush=True,
             )
+        if rt.is_main and compiled is not None and losses:
+            print(compiled_line(compiled), flush=True)
     return 0
+
+
+def compiled_line(compiled: CompiledStep) -> str:
+    """How ``--compile step`` ran: one graph (its compile seconds, the last gradient
+    norm when clipping), or eagerly with the reason."""
+    if compiled.eager_reason:
+        return f"compiled step: ran eagerly: {compiled.eager_reason}"
+    seconds = sum(compiled.compile_seconds)
+    norm = compiled.last_grad_norm
+    clipped = "" if norm is None else f" | last gradient norm {float(norm):.3f} (clipped in it)"
+    return f"compiled step: one graph per rank, compiled in {seconds:.1f} s{clipped}"
 
 
 if __name__ == "__main__":

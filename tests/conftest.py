@@ -19,12 +19,16 @@ preload("transformers", "peft")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _core_jobs_on_cpu() -> Iterator[None]:
+def _core_jobs_on_cpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``LAMINA_BACKEND=cpu`` for the whole session, so that module-scoped jobs (set up
-    before any function-scoped fixture) also start their ranks on cpu, whatever
-    accelerator backend is installed beside core."""
+        before any function-scoped fixture) also start their ranks on cpu, whatever
+        accelerator backend is installed beside core; compiled steps' artifacts in a session
+    directory (``LAMINA_COMPILE_CACHE``)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LAMINA_BACKEND", "cpu")
+        # compiled steps keep their artifacts for the session only, not in ~/.cache
+        compiled = tmp_path_factory.mktemp("compiled-artifacts")
+        patch.setenv("LAMINA_COMPILE_CACHE", str(compiled))
         yield
 
 

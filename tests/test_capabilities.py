@@ -46,6 +46,8 @@ def test_a_tensor_parallel_model_is_refused_in_one_line(job: None) -> None:
     message = _refusal(lamina.distribute(tiny_gpt(), "tp", example_inputs=(IDS,)))
     assert message.startswith("compile_step does not take a model distributed with 'tp'")
     assert "loss.backward(); optimizer.step()" in message
+    # tp's compiled step is the sharder's: composed with zero3 or hsdp
+    assert "compose a split such as 'tp' with 'zero3' or 'hsdp'" in message, message
 
 
 def test_a_pipelined_model_is_refused_by_compile_step_not_at_its_forward(job: None) -> None:

@@ -84,14 +84,16 @@ def test_train_gpt_loss_falls_and_reports_validation() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)  # over 3x the 100-s run a loaded 2-core machine measured
-def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
-    """``--compile step`` under zero3: gathers to AdamW's update as one graph (aot_eager:
-    the capture without Inductor's code generation), the LR schedule included."""
+def test_train_gpt_compiled_under_tp_x_zero3_clips_in_its_graph_and_loss_falls() -> None:
+    """``--compile step --tp 2`` with the default ``--grad-clip 1.0``: tensor parallelism's
+    collectives, zero3's, the gradient norm and AdamW's update as one graph (aot_eager:
+    the capture without Inductor's code generation), the LR schedule included, an
+    evaluation between steps recompiling nothing."""
     tiny = ["--max-steps", "12", "--batch-size", "8", "--seq-len", "64", "--d-model", "64"]
     tiny += ["--n-layers", "2", "--n-heads", "4", "--eval-every", "6", "--eval-batches", "2"]
-    tiny += ["--compile", "step", "--compile-backend", "aot_eager", "--grad-clip", "0"]
+    tiny += ["--compile", "step", "--compile-backend", "aot_eager"]
     result = run_example(
-        "train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3", timeout=360
+        "train_gpt.py", *tiny, "--corpus-mb", "1", "--strategy", "zero3", "--tp", "2", timeout=360
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Warning" not in result.stderr, result.stderr[-3000:]  # the scheduler saw a step
@@ -99,6 +101,13 @@ def test_train_gpt_with_the_compiled_zero3_step_loss_falls() -> None:
     assert done, result.stdout
     first, last = map(float, done.groups())
     assert last < first - 0.5, result.stdout
+    line = re.search(
+        r"compiled step: one graph per rank, compiled in [\d.]+ s \| last gradient "
+        r"norm ([\d.]+) \(clipped in it\)",
+        result.stdout,
+    )
+    assert line, result.stdout  # not the eager fallback, and clipping at 1.0
+    assert float(line.group(1)) > 0
 
 
 @pytest.mark.multiprocess

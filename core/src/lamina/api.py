@@ -173,8 +173,10 @@ def compile_step(
     norm_type: float = 2.0,
 ) -> CompiledStep:
     """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
-    ``hsdp``) as one captured graph, built by the strategy that distributed it
-    (:meth:`~lamina.strategies.contract.Strategy.compiled_step`; another strategy, or a
+    ``hsdp``, or with ``tp`` composed with ``zero3`` or ``hsdp``) as one captured graph,
+    built by the strategy that distributed it (the sharding one of a composition, tp's
+    collectives captured with the forward:
+    :meth:`~lamina.strategies.contract.Strategy.compiled_step`; another strategy, or
     composition, is refused in one line saying what to run instead):
     ``loss = step(*inputs, target)`` runs the forward, ``loss_fn(output, target)``, the
     backward, the plan's collectives and ``optimizer``'s update (see
@@ -213,16 +215,40 @@ def compile_step(
             "no strategy); call lamina.distribute(model, 'dp') (or 'zero3', 'hsdp') first"
         )
     plugins = runtime.plugins if runtime is not None else None
-    if "+" in name:  # a composition: no strategy compiles another's step
-        composed = [get_strategy(n, plugins) for n in name.split("+")]
-        pipeline = next((s for s in composed if s.role == "pipeline"), composed[0])
-        eager = pipeline.eager_step
-        raise ConfigError(
-            f"compile_step does not take a model of composed strategies {name!r} yet; run its "
-            f"step eagerly ({eager}), or distribute it with 'dp', 'zero3' or 'hsdp' alone"
-        )
+    if "+" in name:  # a composition: the sharder compiles, the others' forward is traced
+        return _composed_compiled_step(model, name, optimizer, loss_fn, settings, job, plugins)
     strategy = get_strategy(name, plugins)
     return strategy.compiled_step(model, optimizer, loss_fn, settings, job)
+
+
+def _composed_compiled_step(
+    model: nn.Module,
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    settings: StepOptions,
+    job: StepJob,
+    plugins: Any,
+) -> CompiledStep:
+    """The compiled step of a composition: built by its sharding strategy, the others'
+    collectives captured with the forward (tp x zero3, tp x hsdp); any other one is
+    refused in one line saying what to run instead."""
+    composed = [get_strategy(n, plugins) for n in name.split("+")]
+    sharder = next((s for s in composed if s.role == "shard"), None)
+    others = [s for s in composed if s is not sharder]
+    inside = [s.in_graph(model) for s in others]
+    if sharder is None or any(c is None for c in inside):
+        pipeline = next((s for s in composed if s.role == "pipeline"), composed[0])
+        untraced = [s.name for s, c in zip(others, inside, strict=True) if c is None]
+        why = f"{untraced[0]!r}'s collectives are not captured" if untraced else "no sharder"
+        raise ConfigError(
+            f"compile_step does not take a model of composed strategies {name!r} yet "
+            f"({why}); run its step eagerly ({pipeline.eager_step}), or compose 'tp' with "
+            "'zero3' or 'hsdp'"
+        )
+    return sharder.compiled_step(
+        model, optimizer, loss_fn, settings, job, [c for c in inside if c is not None]
+    )
 
 
 def loss_parallel(model: nn.Module) -> AbstractContextManager[None]:

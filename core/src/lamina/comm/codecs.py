@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+from typing import Protocol
 
 import torch
 
@@ -26,6 +27,7 @@ from lamina.comm.fp8 import (
     Fp8Scatter,
     Fp8Settings,
     Fp8Sum,
+    Fp8Traced,
     Quantized,
     dequantize,
     padded_numel,
@@ -125,6 +127,52 @@ def check_two_phase_settings(
         )
 
 
+class TracedBlocks(Protocol):
+    """A two-phase codec's block quantization written for a captured graph: torch
+    operations Dynamo traces, with the same math as the codec's eager sum, so a compiled
+    step's sum (:mod:`lamina.strategies.compiled.graph_codecs`: the two phases as
+    functional collectives, the flags, the error feedback) gives the eager sum's bits."""
+
+    @property
+    def block(self) -> int:
+        """Elements per scale."""
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether each rank carries its residuals into the next step."""
+
+    @property
+    def error_bound(self) -> float:
+        """A quantization's relative L2 error past which a rank flags the bucket."""
+
+    @property
+    def overflow_at(self) -> float:
+        """A magnitude past which a rank flags the bucket."""
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 1-D fp32 ``values`` (whole blocks) as ``(payload, scales)``: one payload
+        element per value and one scale per block, in dtypes the process group carries."""
+
+    def dequantize(self, payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of ``(payload, scales)`` (1-D)."""
+
+    def flagged(
+        self, payload: torch.Tensor, scales: torch.Tensor, flag: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The wire tensors marked, where the 0-d bool ``flag`` is set, as the eager sum
+        marks them: a NaN every rank decodes, so the bucket falls back everywhere."""
+
+    def residuals(
+        self, eager: TwoPhaseSum, padded: int, world: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residuals the eager sum ``eager`` holds: its contribution's (``padded``
+        elements) and its owned chunk's (``padded / world``), zeros where it holds none."""
+
+    def hold(self, eager: TwoPhaseSum, residual: torch.Tensor, owned: torch.Tensor) -> None:
+        """Make ``eager`` hold ``residual`` and ``owned`` (a compiled step updates them in
+        place at fixed addresses; an eager step goes on from them)."""
+
+
 class TwoPhaseCodec(Codec):
     """A codec that sums in two phases of its own collectives (the collective cannot sum
     its wire form). ``fallback`` is the exact reduction (``"fp32"`` or ``"bf16"``) a bucket
@@ -133,6 +181,11 @@ class TwoPhaseCodec(Codec):
     two_phase = True
     fallback: str = "fp32"
     error_feedback: bool = True
+
+    def traced(self) -> TracedBlocks | None:
+        """This codec's quantization for a captured graph (None: it has none, and a
+        compiled step with one of its buckets runs eagerly, naming the codec)."""
+        return None
 
     @abc.abstractmethod
     def new_sum(self, exact: tuple[int, int] | None = None) -> TwoPhaseSum:
@@ -214,6 +267,14 @@ class Fp8Codec(TwoPhaseCodec):
         payload: e4m3 with a power-of-two block scale keeps 0/1 flags and their means
         exact beside small values, so ``exact`` needs nothing apart)."""
         return Fp8Sum(self.settings)
+
+    def traced(self) -> Fp8Traced:
+        """The e4m3 block quantization as a captured graph runs it: the torch reference
+        kernels' math (the conformance kit holds a backend's kernels to it, bit for bit)."""
+        settings = self.settings
+        return Fp8Traced(
+            settings.block, settings.error_feedback, settings.error_bound, settings.overflow_at
+        )
 
     def wire(self, numel: int, world_size: int, exact_numel: int = 0) -> dict[str, int]:
         """The e4m3 payload (``uint8``) and one ``int8`` exponent per block, twice."""

@@ -39,8 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lamina.comm.two_phase import QuantizationCounts, SumStats, all_gather_slots
-from lamina.device.fp8_kernels import E4M3_MAX, MAX_EXPONENT, MIN_EXPONENT
+from lamina.comm.two_phase import QuantizationCounts, SumStats, TwoPhaseSum, all_gather_slots
+from lamina.device.fp8_kernels import (
+    E4M3_MAX,
+    MAX_EXPONENT,
+    MIN_EXPONENT,
+    block_exponents,
+    saturated,
+)
 from lamina.device.kernels import KernelLauncher, builtin_registry
 from lamina.errors import ConfigError
 from lamina.works import AllWorks
@@ -53,6 +59,7 @@ __all__ = [
     "Fp8Scatter",
     "Fp8Settings",
     "Fp8Sum",
+    "Fp8Traced",
     "Quantized",
     "all_reduce_fp8",
     "dequantize",
@@ -284,6 +291,17 @@ class Fp8Sum:
         assert self._owned_residual is not None
         return self._residual, self._owned_residual
 
+    def feedback(
+        self, padded: int, world: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residuals held now for a ``padded``-element buffer over ``world`` ranks:
+        the contribution's and the owned chunk's (zeros where none are held yet)."""
+        return self._residuals(torch.empty(padded, dtype=torch.float32, device=device), world)
+
+    def hold(self, residual: torch.Tensor, owned: torch.Tensor) -> None:
+        """Hold ``residual`` and ``owned`` as the residuals (a compiled step's tensors)."""
+        self._residual, self._owned_residual = residual, owned
+
     def slot_residual(self, like: torch.Tensor) -> torch.Tensor:
         """The residual of a reduce-scatter's input ``like`` (no owned part)."""
         if self._residual is None or self._residual.numel() != like.numel():
@@ -321,6 +339,54 @@ class Fp8Sum:
             self._residual = mine.residual
             if reduced is not None:
                 self._owned_residual = reduced.residual
+
+
+@dataclass(frozen=True)
+class Fp8Traced:
+    """The e4m3 block quantization of :class:`Fp8Sum` for a captured graph (a
+    :class:`~lamina.comm.codecs.TracedBlocks`): the torch reference kernels' math on
+    values, with ``payload`` ``uint8`` and one ``int8`` exponent per block, and the
+    flag written as :data:`NAN_BITS` into the first payload byte."""
+
+    block: int = BLOCK
+    error_feedback: bool = True
+    error_bound: float = 0.1
+    overflow_at: float = float("inf")
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``values`` (1-D fp32, whole blocks) as e4m3 bits and per-block exponents."""
+        blocks = values.reshape(-1, self.block)
+        exponent = block_exponents(blocks.abs().amax(dim=1, keepdim=True))
+        scaled = saturated(torch.ldexp(blocks, exponent)).to(torch.float8_e4m3fn)
+        return scaled.view(torch.uint8).reshape(-1), exponent.reshape(-1).to(torch.int8)
+
+    def dequantize(self, payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of e4m3 ``payload`` with per-block exponents ``scales``."""
+        values = payload.view(torch.float8_e4m3fn).float().reshape(-1, self.block)
+        return torch.ldexp(values, -scales.float().reshape(-1, 1)).reshape(-1)
+
+    def flagged(
+        self, payload: torch.Tensor, scales: torch.Tensor, flag: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``payload`` with a NaN first element where ``flag`` is set."""
+        first = torch.where(flag, NAN_BITS, payload[:1]).to(payload.dtype)
+        return torch.cat([first, payload[1:]]), scales
+
+    def residuals(
+        self, eager: TwoPhaseSum, padded: int, world: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residuals of the :class:`Fp8Sum` ``eager`` (see :meth:`Fp8Sum.feedback`)."""
+        return _fp8_sum(eager).feedback(padded, world, device)
+
+    def hold(self, eager: TwoPhaseSum, residual: torch.Tensor, owned: torch.Tensor) -> None:
+        """Make the :class:`Fp8Sum` ``eager`` hold these residuals."""
+        _fp8_sum(eager).hold(residual, owned)
+
+
+def _fp8_sum(eager: TwoPhaseSum) -> Fp8Sum:
+    if not isinstance(eager, Fp8Sum):
+        raise TypeError(f"fp8's traced sum shares an Fp8Sum's residuals, got {type(eager)}")
+    return eager
 
 
 def all_reduce_fp8(

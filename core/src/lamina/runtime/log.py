@@ -64,6 +64,9 @@ class RunLog:
         self._backward: SpanEvent | None = None
         #: Recompilations of a compiled step over the run (each also in its step).
         self.recompiles = 0
+        #: Each compiled shape's first step in words: its seconds, cold or warm, and which
+        #: ranks compiled its graph (shown by :meth:`summary` in every step).
+        self.first_steps: list[str] = []
 
     def begin_step(self) -> None:
         """Close the current step (if it issued anything or synchronized a backward) and
@@ -150,6 +153,11 @@ class RunLog:
         self.current.recompiles += 1
         self.recompiles += 1
 
+    def compiled(self, words: str) -> None:
+        """A compiled step's new input shape ran its first step: ``words`` says its
+        seconds and how its graph was compiled (``41.2 s (cold: compiled on rank 0...)``)."""
+        self.first_steps.append(words)
+
     def fallback(self, node_id: str, alternative: str, reason: str) -> FallbackEvent:
         """Record a run-time fallback declared on ``node_id``; logs it once per kind."""
         declared = [
@@ -195,6 +203,9 @@ class RunLog:
             )
         if record.recompiles:
             parts.append(f"recompiled x{record.recompiles} ({self.recompiles} in the run)")
+        if self.first_steps:
+            first, *others = self.first_steps
+            parts.append(f"first step: {first}" + "".join(f"; new shape: {o}" for o in others))
         if record.fallbacks:
             parts.append(
                 "run fallbacks: "

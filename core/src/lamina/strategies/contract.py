@@ -47,6 +47,7 @@ from lamina.strategies.context import StrategyContext
 from lamina.verify import PreflightReport
 
 if TYPE_CHECKING:
+    from lamina.strategies.compiled.in_graph import InGraphCollectives
     from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 
 #: Manifest items a strategy contributes: (category, canonical lines) pairs.
@@ -299,6 +300,13 @@ class Strategy(abc.ABC):
         """``name: summary (options: a, b, c)``."""
         return f"{self.name}: {self.summary} (options: {', '.join(self.options.names())})"
 
+    def in_graph(self, model: nn.Module) -> InGraphCollectives | None:
+        """Where this strategy's collectives run inside the model's forward and are
+        captured with it (tensor parallelism's), what the compiled step of the strategy
+        sharding the composed ``model`` needs of them; None (the default) where they are
+        not (such a composition's step is not compiled)."""
+        return None
+
     def compiled_step(
         self,
         model: nn.Module,
@@ -306,16 +314,19 @@ class Strategy(abc.ABC):
         loss_fn: LossFn,
         settings: StepOptions,
         job: StepJob,
+        inside: Sequence[InGraphCollectives] = (),
     ) -> CompiledStep:
         """``model``'s whole training step (forward, loss, backward, the plan's collectives,
         ``optimizer``'s update) as one captured graph: what ``lamina.compile_step`` returns
-        for a model this strategy distributed (:mod:`lamina.strategies.compiled`).
-        Default: a one-line ConfigError naming the strategy and its :attr:`eager_step`; a
-        strategy whose step compiles overrides it (``dp``, ``zero3``, ``hsdp``)."""
+        for a model this strategy distributed (:mod:`lamina.strategies.compiled`), with
+        ``inside`` the composed strategies whose collectives the forward issues
+        (:meth:`in_graph`). Default: a one-line ConfigError naming the strategy and its
+        :attr:`eager_step`; a strategy whose step compiles overrides it (``dp``,
+        ``zero3``, ``hsdp``)."""
         raise ConfigError(
             f"compile_step does not take a model distributed with {self.name!r} yet; run its "
             f"step eagerly ({self.eager_step}), or distribute the model with 'dp', 'zero3' or "
-            "'hsdp'"
+            "'hsdp' (or compose a split such as 'tp' with 'zero3' or 'hsdp')"
         )
 
 

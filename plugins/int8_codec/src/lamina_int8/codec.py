@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lamina.comm.codecs import TwoPhaseCodec, check_two_phase_settings
-from lamina.comm.two_phase import QuantizationCounts, SumStats, all_gather_slots
+from lamina.comm.two_phase import QuantizationCounts, SumStats, TwoPhaseSum, all_gather_slots
 from lamina.errors import ConfigError
 from lamina.works import AllWorks
 
@@ -152,6 +152,20 @@ class Int8Sum:
             result[self.exact[0] : self.exact[1]] = exact
         return result
 
+    def feedback(
+        self, padded: int, world: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residuals held now for a ``padded``-element buffer over ``world`` ranks:
+        the contribution's and the owned chunk's (zeros where none are held yet)."""
+        if self._residual is None or self._owned is None or self._residual.numel() != padded:
+            self._residual = torch.zeros(padded, dtype=torch.float32, device=device)
+            self._owned = torch.zeros(padded // world, dtype=torch.float32, device=device)
+        return self._residual, self._owned
+
+    def hold(self, residual: torch.Tensor, owned: torch.Tensor) -> None:
+        """Hold ``residual`` and ``owned`` as the residuals (a compiled step's tensors)."""
+        self._residual, self._owned = residual, owned
+
     def commit(self, ok: bool) -> None:
         """Keep the last sum's residuals (its result was used) or drop them."""
         if ok and self.last is not None and self.codec.error_feedback:
@@ -270,6 +284,53 @@ class Int8Scatter:
         return 0 if held is None else held.numel() * held.element_size()
 
 
+@dataclass(frozen=True)
+class Int8Traced:
+    """The int8 block quantization of :class:`Int8Sum` for a captured graph (a
+    :class:`lamina.comm.codecs.TracedBlocks`): :func:`quantize` and :func:`dequantize`
+    themselves, the flag written as a NaN first scale."""
+
+    block: int
+    error_feedback: bool
+    error_bound: float
+    overflow_at: float
+
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``values`` (1-D fp32, whole blocks) as int8 payload and fp32 block scales."""
+        q = quantize(values, self.block)
+        return q.payload, q.scales
+
+    def dequantize(self, payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of ``payload`` with its block ``scales``."""
+        return dequantize(Int8Blocks(payload, scales, self.block))
+
+    def flagged(
+        self, payload: torch.Tensor, scales: torch.Tensor, flag: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scales`` with a NaN first scale where ``flag`` is set."""
+        first = torch.where(flag, torch.full_like(scales[:1], math.nan), scales[:1])
+        return payload, torch.cat([first, scales[1:]])
+
+    def residuals(
+        self, eager: TwoPhaseSum, padded: int, world: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residuals of the :class:`Int8Sum` ``eager`` (see :meth:`Int8Sum.feedback`)."""
+        return _int8_sum(eager).feedback(padded, world, device)
+
+    def hold(self, eager: TwoPhaseSum, residual: torch.Tensor, owned: torch.Tensor) -> None:
+        """Make the :class:`Int8Sum` ``eager`` hold these residuals."""
+        _int8_sum(eager).hold(residual, owned)
+
+
+def _int8_sum(eager: TwoPhaseSum) -> Int8Sum:
+    if not isinstance(eager, Int8Sum) or eager.exact is not None:
+        raise TypeError(
+            f"int8's traced sum shares the residuals of an Int8Sum without exact elements, "
+            f"got {type(eager).__name__}"
+        )
+    return eager
+
+
 class Int8Codec(TwoPhaseCodec):
     """int8 with one absmax scale per ``block`` elements, summed in two phases: 0.258x
     fp32's bytes with 128-element blocks, one quantization's relative L2 error about
@@ -301,6 +362,10 @@ class Int8Codec(TwoPhaseCodec):
         self.error_bound = error_bound
         self.overflow_at = overflow_at
         self.fallback = fallback
+
+    def traced(self) -> Int8Traced:
+        """The int8 block quantization as a captured graph runs it (the same functions)."""
+        return Int8Traced(self.block, self.error_feedback, self.error_bound, self.overflow_at)
 
     def new_sum(self, exact: tuple[int, int] | None = None) -> Int8Sum:
         """One bucket's sums (``exact``: elements all-reduced apart, in fp32)."""

@@ -49,6 +49,9 @@ def graph_break_reason(model: nn.Module, exc: BaseException) -> str:
     """One line: the module and source line where the capture stopped, then the error's
     own first line; without a frame inside the model, the error alone."""
     base = failure_reason(exc)
+    inner = getattr(exc, "inner_exception", None)
+    if isinstance(inner, BaseException):  # the backend raised: its own error says why
+        base = f"the compiler backend raised {failure_reason(inner)}"
     frames: list[traceback.FrameSummary] = list(getattr(exc, "real_stack", None) or [])
     for frame in reversed(frames):
         where = _frame_module(model, frame)

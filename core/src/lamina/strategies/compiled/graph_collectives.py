@@ -30,6 +30,7 @@ from torch.distributed import distributed_c10d
 
 from lamina.dtypes import dtype_name
 from lamina.errors import VerificationError
+from lamina.strategies.compiled.compile_cache import CompileOnce
 from lamina.verify import Manifest, preflight
 
 #: The functional collectives' op names, and the family each belongs to.
@@ -40,6 +41,9 @@ _FAMILIES = {
     "broadcast": "broadcast",
     "all_to_all_single": "all_to_all",
 }
+#: The higher-order operation an autograd function is captured as (its forward and
+#: backward bodies are subgraphs: tensor parallelism's collectives live there).
+_AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
 #: The pre-flight category of the compiled graph's collectives.
 CATEGORY = "compiled_graph"
 
@@ -48,11 +52,12 @@ CATEGORY = "compiled_graph"
 class PlannedCall:
     """One collective call the plan says the step issues: the plan node, the family
     (``all_reduce``, ``all_gather``, ...) and the elements of its whole buffer (a
-    gather's output, a reduce-scatter's input)."""
+    gather's output, a reduce-scatter's input; None: they follow the batch, as an
+    activation's do, and only the op is checked)."""
 
     node: str
     op: str
-    numel: int
+    numel: int | None
 
 
 @dataclass(frozen=True)
@@ -76,32 +81,52 @@ def _value(node: Any) -> Any:
 
 
 def graph_collectives(gm: torch.fx.GraphModule) -> list[GraphCollective]:
-    """The functional collectives of ``gm`` in graph order."""
+    """The functional collectives of ``gm`` in the order they run: graph order, with an
+    autograd function's forward body in place and its backward body's collectives where
+    the backward runs (at the graph's gradient call, the last function's first)."""
     found: list[GraphCollective] = []
+    pending: list[list[GraphCollective]] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        family = _FAMILIES.get(name)
-        if family is None or "_c10d_functional" not in str(node.target):
+        if node.target is _AUTOGRAD_FUNCTION:
+            found += graph_collectives(getattr(gm, node.args[0].target))
+            pending.append(graph_collectives(getattr(gm, node.args[1].target)))
             continue
-        tensor = _value(node.args[0])
-        numel = int(tensor.numel())
-        group = distributed_c10d._resolve_process_group(node.args[-1])  # type: ignore[attr-defined]
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if family == "all_gather":
-            numel *= len(ranks)
-        found.append(GraphCollective(family, numel, dtype_name(tensor.dtype), ranks))
+        if getattr(node.target, "__name__", "") == "_autograd_grad":
+            for body in reversed(pending):
+                found += body
+            pending.clear()
+            continue
+        collective = _collective(node)
+        if collective is not None:
+            found.append(collective)
     return found
+
+
+def _collective(node: torch.fx.Node) -> GraphCollective | None:
+    """``node`` as a functional collective (None: another operation)."""
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    family = _FAMILIES.get(name)
+    if family is None or "_c10d_functional" not in str(node.target):
+        return None
+    tensor = _value(node.args[0])
+    numel = int(tensor.numel())
+    group = distributed_c10d._resolve_process_group(str(node.args[-1]))  # type: ignore[attr-defined,arg-type]
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if family == "all_gather":
+        numel *= len(ranks)
+    return GraphCollective(family, numel, dtype_name(tensor.dtype), ranks)
 
 
 def mismatch(planned: Sequence[PlannedCall], found: Sequence[GraphCollective]) -> str:
     """'' when the graph issues the plan's calls in order; else the first difference."""
     for i, (want, got) in enumerate(zip(planned, found, strict=False)):
-        if (want.op, want.numel) != (got.op, got.numel):
+        if want.op != got.op or want.numel not in (None, got.numel):
             return (
                 f"collective {i} of the captured graph is {got.op} of {got.numel} elements, "
-                f"the plan's node {want.node} issues {want.op} of {want.numel}"
+                f"the plan's node {want.node} issues {want.op} of "
+                f"{'any size' if want.numel is None else want.numel}"
             )
     if len(planned) != len(found):
         return f"the captured graph issues {len(found)} collectives, the plan {len(planned)}"
@@ -134,6 +159,9 @@ class CheckedBackend:
         self.graphs: list[list[GraphCollective]] = []
         #: Graphs handed to this backend (a capture that stops earlier never gets here).
         self.entered = 0
+        #: Inductor's graphs compiled by one rank each, loaded by the others (see
+        #: :mod:`.compile_cache`); its ``outcomes`` say how each graph was compiled.
+        self.once = CompileOnce(group)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """Check ``gm`` (raising on a difference), then compile it with the inner backend;
@@ -148,17 +176,25 @@ class CheckedBackend:
         inner = self.inner
         compile_with = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
         patch: AbstractContextManager[Any] = nullcontext()
+        settings: dict[str, Any] = {}
         if inner == "inductor":
             from torch._inductor import config as inductor_config
 
-            settings: dict[str, Any] = {"fallback_random": self.eager_random}
+            settings = {"fallback_random": self.eager_random}
             if self.overlap:
                 settings["reorder_for_compute_comm_overlap"] = True
                 settings["reorder_for_compute_comm_overlap_passes"] = ["raise_comms", "sink_waits"]
             patch = inductor_config.patch(settings)
         try:
             with patch:
-                compiled = compile_with(gm, example_inputs)
+                if inner != "inductor":
+                    compiled = compile_with(gm, example_inputs)
+                else:  # one rank compiles, the others load its artifacts
+
+                    def compile_here() -> Any:
+                        return compile_with(gm, example_inputs)
+
+                    compiled = self.once.compile(gm, example_inputs, inner, settings, compile_here)
         except Exception:
             self._agree(False)
             raise

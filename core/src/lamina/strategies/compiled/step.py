@@ -52,6 +52,7 @@ from lamina.strategies.compiled.graph_collectives import (
     PlannedCall,
     verification_error,
 )
+from lamina.strategies.compiled.in_graph import InGraphCollectives
 
 #: The loss of a step from the model's output and the target.
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -128,8 +129,11 @@ class CompiledStep(ABC):
         loss_fn: LossFn,
         options: StepOptions,
         job: StepJob,
+        inside: Sequence[InGraphCollectives] = (),
     ) -> None:
         backend = options.backend
+        #: Composed strategies whose collectives the forward issues (captured with it).
+        self.inside = tuple(inside)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -239,7 +243,9 @@ class CompiledStep(ABC):
             raise TypeError("step(*inputs, target): pass the model's inputs, then the target")
         *inputs, target = args
         warm = self._warm_up(inputs, target)
-        if warm is not None:
+        if warm is not None:  # an eager step: what it issued inside the forward is kept
+            for composed in self.inside:
+                composed.keep_order()
             return warm
         if not self._declared:
             self._declare()
@@ -255,6 +261,7 @@ class CompiledStep(ABC):
         log.begin_step()
         self._before_replay()
         started, entered = time.perf_counter(), self.checked.entered
+        compiled_before = len(self.checked.once.outcomes)
         try:
             with log.compute("compile" if new else "compiled step"):
                 loss = self._replay(inputs, target, None if new else shape)
@@ -266,16 +273,26 @@ class CompiledStep(ABC):
         if new:
             self.compile_seconds.append(time.perf_counter() - started)
             self._shapes.append(shape)
+            log.compiled(self._first_step_words(compiled_before))
             if len(self._shapes) > 1:
                 log.recompiled()
         for node in self._issued():
             log.issued(node)
         log.end_backward()
+        for composed in self.inside:
+            composed.record_replay()
         # the optimizer stepped: an LR scheduler checks this mark of optimizer.step()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.options.max_norm is not None:  # the graph returned the loss and the norm
             loss, self.last_grad_norm = loss[0], loss[1]
         return loss
+
+    def _first_step_words(self, compiled_before: int) -> str:
+        """The run log's words on a new shape's first step: its seconds, and how its graph
+        was compiled (cold or warm, on which ranks: :mod:`.compile_cache`)."""
+        how = "; ".join(o.describe() for o in self.checked.once.outcomes[compiled_before:])
+        backend = self.backend if isinstance(self.backend, str) else "a custom backend"
+        return f"{self.compile_seconds[-1]:.1f} s ({how or f'compiled by {backend} on every rank'})"
 
     def _capture_failed(self, exc: Exception, reached_backend: bool) -> None:
         """The capture or compilation of a new shape raised (an error of the graph's run

@@ -8,6 +8,7 @@ in place), :mod:`.compiled` (the compiled forward and its fallback to eager).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ from lamina.strategies.dp.planner import DataParallelState
 from lamina.strategies.dp.wrapper import DataParallelModule, replicate_module
 
 if TYPE_CHECKING:
+    from lamina.strategies.compiled.in_graph import InGraphCollectives
     from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 
 
@@ -97,11 +99,19 @@ class DataParallelStrategy(Strategy):
         loss_fn: LossFn,
         settings: StepOptions,
         job: StepJob,
+        inside: Sequence[InGraphCollectives] = (),
     ) -> CompiledStep:
         """The data-parallel step as one graph: the forward of the model's own class, the
         backward, the plan's bucket all-reduces, the update
-        (:class:`~lamina.strategies.dp.compiled_step.DataParallelCompiledStep`)."""
+        (:class:`~lamina.strategies.dp.compiled_step.DataParallelCompiledStep`); ``dp``
+        composes with no split, so ``inside`` is empty."""
         from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
+
+        if inside:
+            raise ConfigError(
+                f"compile_step: 'dp' does not compile a step with {inside[0].name!r}'s "
+                "collectives inside; compose it with 'zero3' or 'hsdp'"
+            )
 
         if not isinstance(model, DataParallelModule):
             raise ConfigError(

@@ -9,7 +9,10 @@ captures one graph per rank holding:
 - the backward (``torch.func.grad_and_value`` over the trainable parameters);
 - the plan's gradient all-reduces, one per bucket in the plan's order, each over the
   bucket's slots (read from the plan's nodes) as a traceable functional collective
-  (``torch.distributed._functional_collectives``), then divided by the group size;
+  (``torch.distributed._functional_collectives``), then divided by the group size; a
+  bucket with a two-phase codec (fp8, int8) is divided first and summed through the
+  codec's two phases (:mod:`lamina.strategies.compiled.graph_codecs`), its
+  error-feedback residuals the eager reducer's own, updated in place;
 - with ``max_norm``, the averaged gradients clipped to that total norm as
   ``torch.nn.utils.clip_grad_norm_`` clips them (they are whole on every rank: no
   collective), the norm returned beside the loss (``step.last_grad_norm``);
@@ -20,10 +23,13 @@ parameters' ``.grad`` stay unset (the gradients live in the graph) and the optim
 step hooks do not run; LR schedulers work as with ``optimizer.step()``. Decided before
 the first capture (a plan fallback on the ``forward`` node, with the reason): an
 optimizer whose update is not traced, parameters the captured forward did not use (the
-eager step leaves their gradient ``None``), a codec, or the ``ordered`` algorithm on a
-bucket. A bucket the plan gives the hierarchical (or pipelined) algorithm keeps it in the
-graph: reduce-scatter inside each host, all-reduce across the hosts, gather inside
-(:mod:`lamina.strategies.compiled.graph_algorithms`).
+eager step leaves their gradient ``None``), a codec the graph cannot sum (a cast codec, a
+plugin's without :meth:`~lamina.comm.codecs.TwoPhaseCodec.traced`, ``codec_scope="inter"``),
+or the ``ordered`` algorithm on a bucket. A bucket the plan gives the hierarchical (or
+pipelined) algorithm keeps it in the graph: reduce-scatter inside each host, all-reduce
+across the hosts, gather inside (:mod:`lamina.strategies.compiled.graph_algorithms`). A
+step in which a rank flags a codec bucket reduces it exactly in the graph, as the eager
+reducer does, and the run log records that fallback.
 """
 
 from __future__ import annotations
@@ -40,11 +46,20 @@ from torch.func import functional_call, grad_and_value
 
 from lamina.comm.algorithms import AlgorithmGroups
 from lamina.comm.buckets import Bucket, BucketPlan
+from lamina.comm.codecs import TwoPhaseCodec
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.compiled.functional_optim import trained
 from lamina.strategies.compiled.graph_algorithms import (
     hierarchical_all_reduce,
     hierarchical_calls,
+)
+from lamina.strategies.compiled.graph_codecs import (
+    FLAGGED_HERE,
+    NOT_USED,
+    GraphCodec,
+    two_phase_calls,
+    two_phase_mean,
+    untraced_reason,
 )
 from lamina.strategies.compiled.graph_collectives import PlannedCall
 from lamina.strategies.compiled.step import (
@@ -81,6 +96,10 @@ class DataParallelCompiledStep(CompiledStep):
         super().__init__(model, optimizer, loss_fn, options, job)
         self.state = state
         self._buckets: BucketPlan | None = None
+        #: The buckets summed with their codec in the graph, by bucket index.
+        self._codecs: dict[int, GraphCodec] = {}
+        #: Per codec bucket (in plan order) after each replay: not used, flagged here.
+        self._codec_flags: torch.Tensor | None = None
 
     @property
     def plan(self) -> ExecutionPlan | None:
@@ -117,7 +136,7 @@ class DataParallelCompiledStep(CompiledStep):
     def _plan_fallback_cases(self) -> str:
         return (
             "the optimizer's update is not traced, a parameter is unused, or a bucket "
-            "has a codec or the ordered algorithm"
+            "has a codec the graph cannot sum or the ordered algorithm"
         )
 
     def _plan_time_reason(self, plan: ExecutionPlan) -> str:
@@ -130,10 +149,39 @@ class DataParallelCompiledStep(CompiledStep):
             )
         for node in plan.collectives():
             if node.codec is not None:
-                return f"bucket node {node.id} has codec {node.codec.name}"
+                reason = untraced_reason(node.id, node.codec, self.state.codec)
+                if reason:
+                    return reason
+                continue  # the codec's two-phase sum is the bucket's algorithm
             if node.algorithm is not None and node.algorithm.name not in IN_GRAPH:
                 return f"bucket node {node.id} runs {node.algorithm.describe()}"
+        self._codecs = self._graph_codecs(plan)
         return ""
+
+    def _graph_codecs(self, plan: ExecutionPlan) -> dict[int, GraphCodec]:
+        """The buckets the graph sums with their codec, each with the eager reducer's sum
+        of it (whose residuals the graph shares)."""
+        assert self._buckets is not None
+        reducer = self.state.reducer
+        if reducer is None or len(self.state.ranks) == 1:
+            return {}
+        sums = {state.plan.index: state.sums for state in reducer._buckets}
+        group = self.state.group
+        rank, native = dist.get_rank(group), self._native()
+        out: dict[int, GraphCodec] = {}
+        for bucket in self._buckets.buckets:
+            node = plan_dp.bucket_node(bucket.index)
+            codec = self.state.codec
+            if plan.node(node).codec is None or not isinstance(codec, TwoPhaseCodec):
+                continue
+            traced = codec.traced()
+            assert traced is not None and len(sums[bucket.index]) == 1
+            eager = sums[bucket.index][0]
+            size = len(self.state.ranks)
+            out[bucket.index] = GraphCodec(
+                node, codec, traced, eager, bucket.numel, size, rank, native
+            )
+        return out
 
     def _algorithm(self, bucket: Bucket) -> tuple[str, int]:
         """The plan's algorithm of ``bucket`` and its chunks (``flat``, 1 without one)."""
@@ -157,6 +205,11 @@ class DataParallelCompiledStep(CompiledStep):
         calls: list[PlannedCall] = []
         for bucket in self._buckets.buckets:
             node = plan_dp.bucket_node(bucket.index)
+            coded = self._codecs.get(bucket.index)
+            if coded is not None:
+                block = coded.traced.block
+                calls += two_phase_calls(node, bucket.numel, coded.world, block, coded.native)
+                continue
             name, chunks = self._algorithm(bucket)
             if name == "flat":
                 calls.append(PlannedCall(node, "all_reduce", bucket.numel))
@@ -165,8 +218,30 @@ class DataParallelCompiledStep(CompiledStep):
             calls += hierarchical_calls(node, bucket.numel, local, native, chunks)
         return calls
 
+    def _native(self) -> bool:
+        """Whether the group's backend gathers natively (else one broadcast per rank)."""
+        return str(dist.get_backend(self.state.group)) != "gloo"
+
     def _issued(self) -> list[str]:
-        return list(dict.fromkeys(c.node for c in self._planned_calls()))
+        """The bucket nodes this replay issued; a codec bucket a rank flagged (reduced
+        exactly in the graph, as the eager reducer does) is recorded as a fallback."""
+        issued = list(dict.fromkeys(c.node for c in self._planned_calls()))
+        flags = self._codec_flags
+        if flags is None or not self._codecs:
+            return issued
+        for coded, row in zip(self._codecs.values(), flags.tolist(), strict=True):
+            if not row[NOT_USED]:
+                continue
+            why = "this rank flagged it" if row[FLAGGED_HERE] else "another rank flagged it"
+            reason = (
+                f"{coded.codec.name} sum not used: {why} (an input not finite, past "
+                "overflow_at or quantized past error_bound)"
+            )
+            self.run_log.fallback(coded.node, coded.codec.fallback, reason)
+            if self.state.reducer is not None:
+                self.state.reducer.stats.codec_fallbacks += 1
+            issued.append(coded.node)  # the exact all-reduce
+        return issued
 
     def _before_replay(self) -> None:
         if self.state.broadcast_buffers:
@@ -186,13 +261,23 @@ class DataParallelCompiledStep(CompiledStep):
         }
         buffers = dict(self.model.named_buffers())
         grouped = [[names[id(p)] for p in trained(g)] for g in self.optimizer.param_groups]
-        return params, buffers, grouped, self._functional.tensors()
+        return params, buffers, grouped, self._functional.tensors(), self._codec_state()
+
+    def _codec_state(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], Any]:
+        """Each codec bucket's residuals (the eager sums', None without error feedback)
+        and the flags tensor the graph writes (None without codec buckets)."""
+        if not self._codecs:
+            return [], None
+        device = next(self.model.parameters()).device
+        if self._codec_flags is None:
+            self._codec_flags = torch.zeros(len(self._codecs), 2, dtype=torch.bool, device=device)
+        return [c.residuals(device) for c in self._codecs.values()], self._codec_flags
 
     def _graph(
         self, arguments: tuple[Any, ...], lrs: list[torch.Tensor], inputs: list[Any], target: Any
     ) -> torch.Tensor:
         """Forward, loss, backward, the plan's all-reduces, the update: what is captured."""
-        params, buffers, grouped, updated = arguments
+        params, buffers, grouped, updated, codec_state = arguments
         model, loss_fn = self.model, self.loss_fn
 
         def loss_of(trained: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -201,7 +286,7 @@ class DataParallelCompiledStep(CompiledStep):
             return loss
 
         grads, loss = grad_and_value(loss_of)(params)
-        averaged = self._all_reduced(grads)
+        averaged = self._all_reduced(grads, codec_state)
         max_norm = self.options.max_norm
         norm = None
         if max_norm is not None:  # the averaged gradients are whole on every rank
@@ -212,9 +297,12 @@ class DataParallelCompiledStep(CompiledStep):
             return torch.stack([detached, norm.to(detached.dtype)])
         return detached
 
-    def _all_reduced(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _all_reduced(
+        self, grads: dict[str, torch.Tensor], codec_state: tuple[list[Any], Any]
+    ) -> dict[str, torch.Tensor]:
         """Each bucket of the plan flattened in slot order (padded), summed over the
-        group, divided by its size, cut back into the parameters' gradients."""
+        group, divided by its size, cut back into the parameters' gradients (a codec
+        bucket divided first, then summed through the codec's two phases)."""
         assert self._buckets is not None
         group, size = self.state.group, len(self.state.ranks)
         world = dist.group.WORLD
@@ -222,8 +310,23 @@ class DataParallelCompiledStep(CompiledStep):
         out = dict(grads)
         if size == 1:
             return out
+        residuals, flags = codec_state
+        coded_flags: list[torch.Tensor] = []
         for bucket in self._buckets.buckets:
             flat = torch.cat(_packed(grads, bucket))
+            coded = self._codecs.get(bucket.index)
+            if coded is not None:
+                mean, flagged = two_phase_mean(
+                    coded,
+                    flat.detach() / size,  # as the eager reducer averages before the codec
+                    residuals[len(coded_flags)],
+                    group if group is not None else world,
+                )
+                coded_flags.append(flagged)
+                for slot in bucket.slots:
+                    view = mean[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    out[slot.name] = view
+                continue
             name, chunks = self._algorithm(bucket)
             if name == "flat":
                 summed = funcol.all_reduce(flat, "sum", group if group is not None else world)
@@ -235,6 +338,8 @@ class DataParallelCompiledStep(CompiledStep):
             mean = summed / size
             for slot in bucket.slots:
                 out[slot.name] = mean[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if flags is not None:
+            flags.copy_(torch.stack(coded_flags))
         return out
 
 

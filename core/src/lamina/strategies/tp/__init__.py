@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from lamina.device.mesh import DeviceMesh
 from lamina.errors import ConfigError
 from lamina.runtime.placement import AxisPlacement, Split
+from lamina.strategies.compiled.in_graph import InGraphCollectives
 from lamina.strategies.context import StrategyContext
 from lamina.strategies.contract import (
     Placement,
@@ -36,6 +37,7 @@ from lamina.strategies.extension import extend_class
 from lamina.strategies.tp.activation_ops import TensorGroup
 from lamina.strategies.tp.apply import apply_plan
 from lamina.strategies.tp.derive import derive_plan
+from lamina.strategies.tp.in_graph import TensorParallelInGraph
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.module import TensorParallelism, TensorParallelModule
 from lamina.strategies.tp.options import TensorParallelOptions
@@ -125,9 +127,24 @@ class TensorParallelStrategy(Strategy):
         views = GlobalViews(splits, tp)
         views.attach(root, axis, None)
         state = TensorParallelism(
-            layers, tp, planned.plan, planned.log(), planned.preflight, views, applied.heads
+            layers,
+            tp,
+            planned.plan,
+            planned.log(),
+            planned.preflight,
+            views,
+            applied.heads,
+            step_log=applied.log,
         )
         return extend_class(model, TensorParallelModule, {}, "lamina_tp", state)
+
+    def in_graph(self, model: nn.Module) -> InGraphCollectives | None:
+        """The activation collectives, traced into the step's graph with the forward
+        (:class:`~lamina.strategies.tp.in_graph.TensorParallelInGraph`)."""
+        held = model.__dict__.get("lamina_tp")
+        if not isinstance(held, TensorParallelism):
+            return None
+        return TensorParallelInGraph(held, model)
 
     def place_parameters(
         self, model: nn.Module, placement: Placement

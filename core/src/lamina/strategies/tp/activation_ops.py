@@ -9,7 +9,12 @@ sequence before a tensor-parallel region and keeps this rank's slice after it.
 Every collective is issued as a node of the step's plan (:class:`PlannedCollective`: the
 model's :class:`StepLog` and the node id :mod:`.plan_nodes` gives it), so the run log
 counts what ran against what was planned; a layer issuing another op than its node plans
-is an error naming both.
+is an error naming both. Inside a captured step (``torch.compile`` tracing) each function
+is its traceable twin from :mod:`.graph_ops` instead: the same collectives as functional
+ones, counted by the compiled step per replay in the order :attr:`StepLog.order`
+recorded from an eager step. Gradients of whole parameters summed over the group
+(:func:`copy_params_in`) are summed by the compiled step after the backward instead: a
+captured autograd function whose inputs are parameters loses its backward.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed as dist
 
 from lamina.errors import ConfigError
 from lamina.runtime import RunLog
+from lamina.strategies.tp import graph_ops
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class StepLog:
     def __init__(self, run_log: RunLog) -> None:
         self.run_log = run_log
         self._in_backward = False
+        #: The plan nodes the current step issued, in the order it issued them.
+        self.order: list[str] = []
 
     @contextmanager
     def issuing(self, node_id: str, op: str, nbytes: int, backward: bool) -> Iterator[None]:
@@ -58,6 +66,7 @@ class StepLog:
             )
         if backward:
             self.backward_reached()
+        self.order.append(node_id)
         with self.run_log.collective(node_id, nbytes=nbytes):
             yield
 
@@ -65,6 +74,7 @@ class StepLog:
         """A training forward starts: the log's next step opens (a backward that raised
         before its end left nothing pending)."""
         self._in_backward = False
+        self.order = []
         self.run_log.begin_step()
 
     def backward_reached(self) -> None:
@@ -224,6 +234,9 @@ class _SumScatter(torch.autograd.Function):
 def copy_in(x: torch.Tensor, tp: TensorGroup, grad_node: PlannedCollective) -> torch.Tensor:
     """``x`` unchanged; its gradient summed over the group (into column-parallel layers),
     issued as ``grad_node``."""
+    if torch.compiler.is_compiling():
+        traced: torch.Tensor = graph_ops.CopyIn.apply(x, graph_ops.group_of(tp.group))  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _CopyIn.apply(x, tp, grad_node)  # type: ignore[no-untyped-call]
     return out
 
@@ -233,6 +246,8 @@ def copy_params_in(
 ) -> tuple[torch.Tensor, ...]:
     """``params`` unchanged; their gradients summed over the group in one all-reduce
     (parameters of modules on sequence slices), issued as ``grad_node``."""
+    if torch.compiler.is_compiling():  # the compiled step sums their gradients itself
+        return tuple(params)
     out: tuple[torch.Tensor, ...] = _CopyParamsIn.apply(tp, grad_node, *params)  # type: ignore[no-untyped-call]
     return out
 
@@ -240,6 +255,9 @@ def copy_params_in(
 def sum_out(x: torch.Tensor, tp: TensorGroup, node: PlannedCollective) -> torch.Tensor:
     """The sum of every rank's partial ``x`` (out of a row-parallel layer), issued as
     ``node``."""
+    if torch.compiler.is_compiling():
+        traced: torch.Tensor = graph_ops.SumOut.apply(x, graph_ops.group_of(tp.group))  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _SumOut.apply(x, tp, node)  # type: ignore[no-untyped-call]
     return out
 
@@ -247,6 +265,9 @@ def sum_out(x: torch.Tensor, tp: TensorGroup, node: PlannedCollective) -> torch.
 def gather(x: torch.Tensor, dim: int, tp: TensorGroup, node: PlannedCollective) -> torch.Tensor:
     """Every rank's slice of ``dim`` concatenated, issued as ``node`` (backward: this
     rank's slice)."""
+    if torch.compiler.is_compiling():
+        traced: torch.Tensor = graph_ops.Gather.apply(x, dim, graph_ops.group_of(tp.group))  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _Gather.apply(x, dim, tp, node)  # type: ignore[no-untyped-call]
     return out
 
@@ -256,6 +277,9 @@ def keep_slice(
 ) -> torch.Tensor:
     """This rank's slice of ``dim`` of a replicated ``x`` (backward: gathered, issued as
     ``grad_node``)."""
+    if torch.compiler.is_compiling():
+        traced: torch.Tensor = graph_ops.KeepSlice.apply(x, dim, graph_ops.group_of(tp.group))  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _Slice.apply(x, dim, tp, grad_node)  # type: ignore[no-untyped-call]
     return out
 
@@ -269,5 +293,8 @@ def sum_scatter(
 ) -> torch.Tensor:
     """This rank's slice of ``dim`` of the sum of every rank's partial ``x``, issued as
     ``node`` (backward: gathered, issued as ``grad_node``)."""
+    if torch.compiler.is_compiling():
+        traced: torch.Tensor = graph_ops.SumScatter.apply(x, dim, graph_ops.group_of(tp.group))  # type: ignore[no-untyped-call]
+        return traced
     out: torch.Tensor = _SumScatter.apply(x, dim, tp, node, grad_node)  # type: ignore[no-untyped-call]
     return out

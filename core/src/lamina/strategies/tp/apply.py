@@ -57,6 +57,8 @@ class Applied:
     handles: list[Any]
     splits: Splits
     heads: HeadOutputs
+    #: The run log's view of the step: what it issued, in order.
+    log: StepLog
 
 
 @dataclass
@@ -149,7 +151,8 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup, run_log: Run
         entered.prepared.clear()
 
     def open_step(module: nn.Module, _args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
+        # a captured step opens its steps in the log itself, once per replay
+        if module.training and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             log.begin_step()
 
     handles.append(model.register_forward_pre_hook(open_step))
@@ -161,7 +164,7 @@ def apply_plan(model: nn.Module, plan: TensorPlan, tp: TensorGroup, run_log: Run
         for name, p in model.named_parameters(remove_duplicate=False)
         if id(p) in done
     }
-    return Applied(handles, names, heads)
+    return Applied(handles, names, heads, log)
 
 
 def _finish_head(heads: HeadOutputs, tp: TensorGroup, log: StepLog, head: str) -> Hook:
@@ -238,7 +241,7 @@ def _row_forward(linear: Any, row: Row, plan: TensorPlan, tp: TensorGroup, log: 
         if row.reduce == "scatter" and plan.sequence_parallel:
             out = sum_scatter(partial, plan.seq_dim, tp, summed, grad_gathered)
             # added on sequence slices: its gradient is summed over the group
-            bias = None if bias is None else copy_in(bias, tp, bias_summed)
+            bias = None if bias is None else copy_params_in([bias], tp, bias_summed)[0]
         else:
             out = sum_out(partial, tp, summed)
         return out if bias is None else out + bias

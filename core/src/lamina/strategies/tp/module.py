@@ -8,7 +8,7 @@ from typing import Any
 from lamina.errors import ConfigError
 from lamina.runtime import ExecutionPlan, RunLog
 from lamina.strategies.split_state import SplitStateModule
-from lamina.strategies.tp.activation_ops import TensorGroup
+from lamina.strategies.tp.activation_ops import StepLog, TensorGroup
 from lamina.strategies.tp.layers import TensorPlan
 from lamina.strategies.tp.loss_parallel import HeadOutputs
 from lamina.strategies.tp.state import GlobalViews
@@ -29,6 +29,8 @@ class TensorParallelism:
     #: Set while lamina itself runs the model on the meta device (a sharded strategy's
     #: first-forward bookkeeping does not run it).
     allow_meta: bool = False
+    #: What the step issued, in order (None: built without one).
+    step_log: StepLog | None = None
 
 
 class TensorParallelModule(SplitStateModule):

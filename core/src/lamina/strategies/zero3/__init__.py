@@ -10,6 +10,7 @@ sharded model gains), :mod:`.accounting` (memory against the ZeRO-3 formula).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,7 @@ from lamina.strategies.zero3.options import Zero3Options
 from lamina.strategies.zero3.sharding import build_sharded, plan_shards
 
 if TYPE_CHECKING:
+    from lamina.strategies.compiled.in_graph import InGraphCollectives
     from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 
 #: Where a model ``zero3`` / ``hsdp`` distributes records its own class (the model's
@@ -88,10 +90,11 @@ class Zero3Strategy(Strategy):
         loss_fn: LossFn,
         settings: StepOptions,
         job: StepJob,
+        inside: Sequence[InGraphCollectives] = (),
     ) -> CompiledStep:
         """The sharded step as one graph: the units' gathers, the forward of the model's
-        own class, the backward, the reduce-scatters (and HSDP's replica all-reduces), the
-        update of the local shards
+        own class (with ``inside``'s collectives: tp's), the backward, the reduce-scatters
+        (and HSDP's replica all-reduces), the update of the local shards
         (:class:`~lamina.strategies.zero3.compiled_step.ShardedCompiledStep`)."""
         from lamina.strategies.zero3.compiled_step import ShardedCompiledStep
 
@@ -101,7 +104,9 @@ class Zero3Strategy(Strategy):
                 f"compile_step: this {type(model).__name__} was not sharded by {self.name!r}; "
                 f"call lamina.distribute(model, {self.name!r}) and pass the model it returns"
             )
-        return ShardedCompiledStep(model, optimizer, loss_fn, settings, job, model_class=own)
+        return ShardedCompiledStep(
+            model, optimizer, loss_fn, settings, job, model_class=own, inside=inside
+        )
 
 
 __all__ = ["ShardedModule", "Zero3Options", "Zero3Strategy", "build_sharded", "plan_shards"]

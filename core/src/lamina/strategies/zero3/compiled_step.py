@@ -34,7 +34,7 @@ phases and slot order, gloo's forms where it is gloo).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,6 +58,7 @@ from lamina.strategies.compiled.graph_algorithms import (
     scatter_over,
 )
 from lamina.strategies.compiled.graph_collectives import PlannedCall
+from lamina.strategies.compiled.in_graph import InGraphCollectives
 from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
 from lamina.strategies.dp.planner import seen_as
 from lamina.strategies.zero3.module import ShardedModule
@@ -91,8 +92,9 @@ class ShardedCompiledStep(CompiledStep):
         job: StepJob,
         *,
         model_class: type[nn.Module],
+        inside: Sequence[InGraphCollectives] = (),
     ) -> None:
-        super().__init__(model, optimizer, loss_fn, options, job)
+        super().__init__(model, optimizer, loss_fn, options, job, inside)
         self.sharded = model
         self.sharding = model.lamina_sharding
         #: The model's class before ``zero3`` extended it (the traced forward is its own),
@@ -188,7 +190,10 @@ class ShardedCompiledStep(CompiledStep):
         ]
         declared = dataclasses.replace(declared, fallbacks=(*declared.fallbacks, *kept))
         if compiled and self._clips_over_ranks():
-            declared = _with_norm_node(declared, self._order[0])
+            declared = _with_norm_node(declared, self._order[0], 1 + len(self.inside))
+        if compiled and self.options.max_norm is not None:
+            for composed in self.inside:
+                declared = _with_split_norm_node(declared, composed)
         return declared
 
     def _clips_over_ranks(self) -> bool:
@@ -254,13 +259,28 @@ class ShardedCompiledStep(CompiledStep):
 
     def _planned_calls(self) -> list[PlannedCall]:
         calls = [c for unit in self._order for c in self._gather_calls(unit)]
+        calls += [c for composed in self.inside for c in composed.planned_calls()]
+        calls += [  # whole parameters' gradients summed over a split's group
+            PlannedCall(node, "all_reduce", None)
+            for composed in self.inside
+            for node, _ in composed.summed_gradients()
+        ]
         calls += [c for unit in self._backward_order() for c in self._scatter_calls(unit)]
         if self._clips_over_ranks():
-            calls.append(PlannedCall(NORM_NODE, "all_reduce", 1))
+            calls.append(PlannedCall(NORM_NODE, "all_reduce", 1 + len(self.inside)))
+        if self.options.max_norm is not None:
+            calls += [PlannedCall(split_norm_node(c.name), "all_reduce", 1) for c in self.inside]
         return calls
 
     def _issued(self) -> list[str]:
-        return list(dict.fromkeys(c.node for c in self._planned_calls()))
+        own = [c for unit in self._order for c in self._gather_calls(unit)]
+        own += [c for unit in self._backward_order() for c in self._scatter_calls(unit)]
+        nodes = [c.node for c in own]
+        if self._clips_over_ranks():
+            nodes.append(NORM_NODE)
+        if self.options.max_norm is not None:
+            nodes += [split_norm_node(c.name) for c in self.inside]
+        return list(dict.fromkeys(nodes))
 
     # -- the graph ---------------------------------------------------------------------------
     @contextmanager
@@ -301,6 +321,8 @@ class ShardedCompiledStep(CompiledStep):
             return loss
 
         grads, loss = grad_and_value(loss_of)(params)
+        for composed in self.inside:
+            grads = _summed_over_split(grads, composed)
         local_grads: dict[str, torch.Tensor] = {}
         local_params: dict[str, torch.Tensor] = {}
         by_unit = dict(zip((u.layout.name for u in self._order), shards, strict=True))
@@ -325,23 +347,30 @@ class ShardedCompiledStep(CompiledStep):
         self, local_grads: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The shards' gradients scaled as ``torch.nn.utils.clip_grad_norm_`` scales the
-        whole model's, and the total norm: each rank's part of the norm, summed (or the
-        largest taken) over the shard group, where every element lies on one rank; replicas
-        (HSDP) hold the same shards."""
+        whole model's, and the total norm. Each rank's part of the norm is summed (or the
+        largest taken) over the shard group, where every element lies on one rank;
+        replicas (HSDP) hold the same shards. A composed split (tp) keeps its parameters'
+        parts apart, summed again over its group (one slice per rank), where the whole
+        parameters' are not (the same on each of its ranks)."""
         max_norm, norm_type = self.options.max_norm, self.options.norm_type
         assert max_norm is not None
-        values = [g.detach() for g in local_grads.values() if g.numel()]
         infinite = norm_type == float("inf")
-        zero = torch.zeros((), device=values[0].device if values else None)
-        if infinite:
-            part = torch.stack([zero, *(g.abs().max() for g in values)]).max()
-        else:
-            part = torch.stack(
-                [zero, *(torch.linalg.vector_norm(g, norm_type) ** norm_type for g in values)]
-            ).sum()
+        split = [c.split_parameters() for c in self.inside]
+        groups: list[list[torch.Tensor]] = [[] for _ in range(len(split) + 1)]
+        for name, grad in local_grads.items():
+            if grad.numel():
+                where = next((k + 1 for k, names in enumerate(split) if name in names), 0)
+                groups[where].append(grad.detach())
+        device = next((g.device for g in local_grads.values()), None)
+        parts = torch.stack([_norm_part(values, norm_type, device) for values in groups])
+        op = "max" if infinite else "sum"
         if self._clips_over_ranks():
-            part = funcol.all_reduce(part, "max" if infinite else "sum", _group(self._order[0]))
-        total = part if infinite else part ** (1.0 / norm_type)
+            parts = funcol.all_reduce(parts, op, _group(self._order[0]))
+        pieces = [parts[0]]
+        for k, composed in enumerate(self.inside):
+            pieces.append(funcol.all_reduce(parts[k + 1 : k + 2], op, composed.group()[0])[0])
+        combined = torch.stack(pieces)
+        total = combined.max() if infinite else combined.sum() ** (1.0 / norm_type)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return {n: g * scale for n, g in local_grads.items()}, total
 
@@ -355,9 +384,61 @@ class ShardedCompiledStep(CompiledStep):
         raise KeyError(name)
 
 
-def _with_norm_node(plan: ExecutionPlan, unit: UnitState) -> ExecutionPlan:
-    """``plan`` with the gradient norm's all-reduce over ``unit``'s shard group (one
-    float32), on the group and axis of the unit's reduce-scatter."""
+def _summed_over_split(
+    grads: dict[str, torch.Tensor], composed: InGraphCollectives
+) -> dict[str, torch.Tensor]:
+    """``grads`` with the whole parameters' gradients ``composed`` sums over its group
+    summed, one all-reduce of their concatenation per plan node."""
+    pg = composed.group()[0]
+    out = dict(grads)
+    for _, names in composed.summed_gradients():
+        held = [n for n in names if n in out]
+        if not held:
+            continue
+        flat = torch.cat([out[n].reshape(-1) for n in held])
+        summed = funcol.all_reduce(flat, "sum", pg)
+        pieces = torch.split(summed, [out[n].numel() for n in held])
+        out.update({n: piece.view_as(out[n]) for n, piece in zip(held, pieces, strict=True)})
+    return out
+
+
+def split_norm_node(strategy: str) -> str:
+    """Plan node of the gradient norm's all-reduce over a composed split's group."""
+    return f"grad_norm.{strategy}"
+
+
+def _norm_part(
+    values: list[torch.Tensor], norm_type: float, device: torch.device | None
+) -> torch.Tensor:
+    """This rank's part of the norm of ``values``: the sum of their elements' powers
+    (the largest magnitude for the infinity norm), 0 for none."""
+    zero = torch.zeros((), device=device)
+    if norm_type == float("inf"):
+        return torch.stack([zero, *(g.abs().max() for g in values)]).max()
+    return torch.stack(
+        [zero, *(torch.linalg.vector_norm(g, norm_type) ** norm_type for g in values)]
+    ).sum()
+
+
+def _with_split_norm_node(plan: ExecutionPlan, composed: InGraphCollectives) -> ExecutionPlan:
+    """``plan`` with the all-reduce of the split parameters' norm part over ``composed``'s
+    group (one float32)."""
+    _, ranks, axis = composed.group()
+    node = PlanNode(
+        split_norm_node(composed.name),
+        "collective",
+        "backward",
+        f"gradient norm: the {composed.name}-split parameters' part summed over its group",
+        Collective("gradient", layer="gradient norm"),
+        CollectiveSpec("all_reduce", "float32", 1, 4, ranks, axis=axis),
+    )
+    return plan.with_nodes((*plan.nodes, node))
+
+
+def _with_norm_node(plan: ExecutionPlan, unit: UnitState, parts: int) -> ExecutionPlan:
+    """``plan`` with the gradient norm's all-reduce over ``unit``'s shard group (``parts``
+    float32: one per composed split, and the rest), on the group and axis of the unit's
+    reduce-scatter."""
     scatter = plan.node(scatter_node(unit.layout.name)).collective
     assert scatter is not None
     norm = PlanNode(
@@ -366,7 +447,7 @@ def _with_norm_node(plan: ExecutionPlan, unit: UnitState) -> ExecutionPlan:
         "backward",
         "gradient norm: each shard's part summed over the shard group (clipping)",
         Collective("gradient", layer="gradient norm"),
-        CollectiveSpec("all_reduce", "float32", 1, 4, scatter.group, axis=scatter.axis),
+        CollectiveSpec("all_reduce", "float32", parts, 4, scatter.group, axis=scatter.axis),
     )
     return plan.with_nodes((*plan.nodes, norm))
 
