@@ -1,16 +1,17 @@
 """Tensor parallelism inside a sharding strategy's compiled step:
-:class:`TensorParallelInGraph` (the :class:`~lamina.strategies.compiled.in_graph.InGraphCollectives`
-of ``tp``).
+:class:`TensorParallelInGraph` (the
+:class:`~lamina.strategies.compiled.in_graph.InGraphCollectives` of ``tp``).
 
 The layers' collectives are captured with the forward and its backward
 (:mod:`.graph_ops`). The calls they issue are the ones the last eager step issued, in
 its order (:attr:`.activation_ops.StepLog.order`, kept from before the first capture),
 each in the form the graph gives its plan op on this backend: on gloo a gather is one
-broadcast per rank and a reduce-scatter an all-reduce, as in the eager step. Their sizes follow the batch, so the check of the
-graph compares the op of each, not its elements. The gradients of whole parameters the
-eager step sums over the group in its backward (modules on sequence slices, or met by
-split activations; row-parallel biases added on sequence slices) are summed by the
-compiled step after the backward, with the same all-reduce per plan node.
+broadcast per rank and a reduce-scatter an all-reduce, as in the eager step. Their sizes
+follow the batch, so the check of the graph compares the op of each, not its elements.
+The gradients of whole parameters the eager step sums over the group in its backward
+(modules on sequence slices, or met by split activations; row-parallel biases added on
+sequence slices) are summed by the compiled step after the backward, with the same
+all-reduce per plan node.
 """
 
 from __future__ import annotations
