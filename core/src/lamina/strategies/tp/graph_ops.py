@@ -92,7 +92,15 @@ class SumOut(torch.autograd.Function):
         return grad, None
 
 
-class Gather(torch.autograd.Function):
+class _OnDim(torch.autograd.Function):
+    """A collective on ``dim`` of ``x`` over ``pg``: the context both ways keep."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.pg = inputs[1], inputs[2]
+
+
+class Gather(_OnDim):
     """Every rank's slice of ``dim`` concatenated; the gradient's slice back."""
 
     @staticmethod
@@ -100,41 +108,29 @@ class Gather(torch.autograd.Function):
         return gathered(x, dim, pg)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.pg = inputs[1], inputs[2]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return this_slice(grad, ctx.dim, ctx.pg), None, None
 
 
-class KeepSlice(torch.autograd.Function):
+class _GatheredBack(_OnDim):
+    """A slice of ``dim`` forward, whose gradient is gathered back."""
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return gathered(grad, ctx.dim, ctx.pg), None, None
+
+
+class KeepSlice(_GatheredBack):
     """This rank's slice of a replicated ``x``; the gradient gathered."""
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int, pg: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         return this_slice(x, dim, pg)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.pg = inputs[1], inputs[2]
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return gathered(grad, ctx.dim, ctx.pg), None, None
-
-
-class SumScatter(torch.autograd.Function):
+class SumScatter(_GatheredBack):
     """This rank's slice of the sum of every rank's partial ``x``; the gradient gathered."""
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int, pg: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         return summed_slice(x, dim, pg)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.pg = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return gathered(grad, ctx.dim, ctx.pg), None, None
