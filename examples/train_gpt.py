@@ -37,7 +37,8 @@ import lamina
 from _gpt_model import GPT, GPTConfig, lm_loss
 from _stdlib_corpus import CharCorpus, load_char_corpus, sample_batch, window_batch, window_count
 from lamina import CheckpointManager, ConfigError, EpochSampler, Fp8Codec, codecs, seed_all
-from lamina.strategies.compiled.step import CompiledStep
+from lamina.strategies.compiled.step import TrainingStep
+from lamina.strategies.pp.compiled import PipelineCompiledStep
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -135,7 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="none",
         help="step: the whole step (forward, loss, backward, the plan's collectives, "
         "clipping at --grad-clip, AdamW) as one captured graph (lamina.compile_step; dp, "
-        "zero3, hsdp, and zero3 with --tp)",
+        "zero3, hsdp, and zero3 with --tp); under pp, each stage's blocks compiled",
     )
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of --compile step"
@@ -154,8 +155,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--codec and --codec-scope compress dp's buckets: add --strategy dp")
     if args.tp < 1 or (args.tp > 1 and args.strategy != "zero3"):
         p.error("--tp splits layers over ranks of a zero3 model: add --strategy zero3")
-    if args.strategy == "pp" and args.compile != "none":
-        p.error("--compile step runs dp, zero3 or hsdp; --strategy pp runs its own schedule")
+    if args.strategy == "pp" and args.compile != "none" and args.pp_tp != 1:
+        p.error("--compile step compiles pp's stages without tp inside: drop --pp-tp")
     if args.strategy == "pp" and args.batch_size % args.pp_microbatches:
         p.error("--batch-size must be a multiple of --pp-microbatches")
     if (args.pp_shard != "none" or args.pp_tp != 1) and args.strategy != "pp":
@@ -479,15 +480,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def compiled_line(compiled: CompiledStep) -> str:
+def compiled_line(compiled: TrainingStep) -> str:
     """How ``--compile step`` ran: one graph (its compile seconds, the last gradient
-    norm when clipping), or eagerly with the reason."""
+    norm when clipping), each pipeline stage's blocks compiled, or eagerly with the
+    reason."""
     if compiled.eager_reason:
         return f"compiled step: ran eagerly: {compiled.eager_reason}"
     seconds = sum(compiled.compile_seconds)
     norm = compiled.last_grad_norm
-    clipped = "" if norm is None else f" | last gradient norm {float(norm):.3f} (clipped in it)"
-    return f"compiled step: one graph per rank, compiled in {seconds:.1f} s{clipped}"
+    if isinstance(compiled, PipelineCompiledStep):
+        what, where = "each stage's blocks compiled (the schedule eager)", "after the schedule"
+    else:
+        what, where = "one graph per rank", "in it"
+    clipped = "" if norm is None else f" | last gradient norm {float(norm):.3f} (clipped {where})"
+    return f"compiled step: {what}, compiled in {seconds:.1f} s{clipped}"
 
 
 if __name__ == "__main__":

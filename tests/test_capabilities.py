@@ -1,8 +1,9 @@
 """What a strategy says it can do, asked by name, never probed: ``lamina.compile_step``
 asks the strategy that distributed the model for its compiled step (``dp`` and
-``zero3`` build one; ``tp``, ``pp`` and compositions refuse in one line saying what to
-run instead), and ``"auto"`` is a chooser whose choice ``lamina.distribute`` applies as
-strategies given by hand (``lamina plan --auto`` asks for it without an environment
+``zero3`` build one, ``pp`` compiles its stages' blocks; ``tp`` alone and compositions
+whose collectives are not captured refuse in one line saying what to run instead), and
+``"auto"`` is a chooser whose choice ``lamina.distribute`` applies as strategies given
+by hand (``lamina plan --auto`` asks for it without an environment
 variable). One process, tiny models: each test takes about a second."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lamina.api import AutoRequest, request_auto
 from lamina.auto.choose import distribute_candidate
 from lamina.errors import ConfigError
 from lamina.strategies.dp.compiled_step import DataParallelCompiledStep
+from lamina.strategies.pp.compiled import PipelineCompiledStep
 from lamina.strategies.zero3.compiled_step import ShardedCompiledStep
 from models_for_tests import MLP, tiny_gpt
 
@@ -50,19 +52,26 @@ def test_a_tensor_parallel_model_is_refused_in_one_line(job: None) -> None:
     assert "compose a split such as 'tp' with 'zero3' or 'hsdp'" in message, message
 
 
-def test_a_pipelined_model_is_refused_by_compile_step_not_at_its_forward(job: None) -> None:
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def test_a_pipelined_model_compiles_its_stages_blocks(job: None) -> None:
     lamina.init(mesh={"pp": 1})
     model = lamina.distribute(tiny_gpt(), "pp", example_inputs=(IDS,), timing_runs=1)
-    message = _refusal(model)
-    assert message.startswith("compile_step does not take a model distributed with 'pp'")
-    assert "loss = model.step(inputs, targets, loss_fn); optimizer.step()" in message
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = lamina.compile_step(model, optimizer, _lm_loss, backend="aot_eager")
+    assert isinstance(step, PipelineCompiledStep)
+    losses = [float(step(IDS, IDS.roll(-1, 1))) for _ in range(2)]
+    assert step.eager_reason == "" and step.backend.graphs == 1, step.eager_reason
+    assert losses[1] < losses[0], losses
 
 
-def test_a_composed_model_is_refused_naming_the_composition(job: None) -> None:
-    lamina.init(mesh={"pp": 1, "fsdp": 1})
-    model = lamina.distribute(tiny_gpt(), ["pp", "zero3"], example_inputs=(IDS,), timing_runs=1)
+def test_a_pipeline_composed_with_tp_is_refused_naming_the_composition(job: None) -> None:
+    lamina.init(mesh={"pp": 1, "tp": 1})
+    model = lamina.distribute(tiny_gpt(), ["pp", "tp"], example_inputs=(IDS,), timing_runs=1)
     message = _refusal(model)
-    assert "composed strategies 'pp+zero3'" in message, message
+    assert "pipelined model composed with 'tp'" in message, message
     assert "model.step(inputs, targets, loss_fn)" in message
 
 

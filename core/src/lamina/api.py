@@ -12,7 +12,7 @@ from torch import nn
 
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
-from lamina.strategies.compiled.step import CompiledStep, StepJob, StepOptions
+from lamina.strategies.compiled.step import StepJob, StepOptions, TrainingStep
 from lamina.strategies.compose import distribute_composed
 from lamina.strategies.contract import Placement
 from lamina.strategies.registry import get_strategy
@@ -171,7 +171,7 @@ def compile_step(
     overlap: bool = False,
     max_norm: float | None = None,
     norm_type: float = 2.0,
-) -> CompiledStep:
+) -> TrainingStep:
     """The whole training step of ``model`` (distributed with ``dp``, ``zero3`` or
     ``hsdp``, or with ``tp`` composed with ``zero3`` or ``hsdp``) as one captured graph,
     built by the strategy that distributed it (the sharding one of a composition, tp's
@@ -229,21 +229,30 @@ def _composed_compiled_step(
     settings: StepOptions,
     job: StepJob,
     plugins: Any,
-) -> CompiledStep:
+) -> TrainingStep:
     """The compiled step of a composition: built by its sharding strategy, the others'
     collectives captured with the forward (tp x zero3, tp x hsdp); any other one is
     refused in one line saying what to run instead."""
     composed = [get_strategy(n, plugins) for n in name.split("+")]
+    pipeline = next((s for s in composed if s.role == "pipeline"), None)
+    if pipeline is not None:  # its stages sharded by the sharder's eager gathers
+        inner = [s.name for s in composed if s.role not in ("pipeline", "shard")]
+        if inner:
+            raise ConfigError(
+                f"compile_step does not take a pipelined model composed with {inner[0]!r} "
+                f"yet (its collectives run inside the stages' blocks); run its step eagerly "
+                f"({pipeline.eager_step}), or compose 'pp' with 'zero3' or 'hsdp' alone"
+            )
+        return pipeline.compiled_step(model, optimizer, loss_fn, settings, job)
     sharder = next((s for s in composed if s.role == "shard"), None)
     others = [s for s in composed if s is not sharder]
     inside = [s.in_graph(model) for s in others]
     if sharder is None or any(c is None for c in inside):
-        pipeline = next((s for s in composed if s.role == "pipeline"), composed[0])
         untraced = [s.name for s, c in zip(others, inside, strict=True) if c is None]
         why = f"{untraced[0]!r}'s collectives are not captured" if untraced else "no sharder"
         raise ConfigError(
             f"compile_step does not take a model of composed strategies {name!r} yet "
-            f"({why}); run its step eagerly ({pipeline.eager_step}), or compose 'tp' with "
+            f"({why}); run its step eagerly ({composed[0].eager_step}), or compose 'tp' with "
             "'zero3' or 'hsdp'"
         )
     return sharder.compiled_step(

@@ -48,7 +48,7 @@ from lamina.verify import PreflightReport
 
 if TYPE_CHECKING:
     from lamina.strategies.compiled.in_graph import InGraphCollectives
-    from lamina.strategies.compiled.step import CompiledStep, LossFn, StepJob, StepOptions
+    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions, TrainingStep
 
 #: Manifest items a strategy contributes: (category, canonical lines) pairs.
 ManifestItems = tuple[tuple[str, tuple[str, ...]], ...]
@@ -315,7 +315,7 @@ class Strategy(abc.ABC):
         settings: StepOptions,
         job: StepJob,
         inside: Sequence[InGraphCollectives] = (),
-    ) -> CompiledStep:
+    ) -> TrainingStep:
         """``model``'s whole training step (forward, loss, backward, the plan's collectives,
         ``optimizer``'s update) as one captured graph: what ``lamina.compile_step`` returns
         for a model this strategy distributed (:mod:`lamina.strategies.compiled`), with

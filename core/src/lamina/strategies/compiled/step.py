@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,23 @@ class StepOptions:
                 f"compile_step: on_graph_break={self.on_graph_break!r}; pass 'eager' (run the "
                 "eager step, declared) or 'error'"
             )
+
+
+class TrainingStep(Protocol):
+    """What ``lamina.compile_step`` returns: ``loss = step(*inputs, target)``, one whole
+    training step (:class:`CompiledStep`; a pipelined model's
+    :class:`~lamina.strategies.pp.compiled.PipelineCompiledStep`)."""
+
+    #: The total gradient norm of the last step, before clipping (None: no clipping).
+    last_grad_norm: torch.Tensor | None
+    #: Seconds each compiled input shape's first step took.
+    compile_seconds: list[float]
+    #: Why the step runs eagerly ('' while it runs compiled).
+    eager_reason: str
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        """One step on the model's inputs, then the target; the loss."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from lamina.strategies.pp.options import PipelineOptions
 from lamina.strategies.pp.plan_nodes import build_pipeline_plan
 from lamina.strategies.pp.schedules import schedule_kind
 from lamina.strategies.pp.stages import build_stages
+
+if TYPE_CHECKING:
+    from lamina.strategies.compiled.in_graph import InGraphCollectives
+    from lamina.strategies.compiled.step import LossFn, StepJob, StepOptions, TrainingStep
 
 #: Mesh axes the pipeline goes on by default, in order of preference.
 PP_AXES = ("pp", "inter")
@@ -220,6 +225,22 @@ class PipelineStrategy(Strategy):
         )  # fmt: skip
         state = Pipelining(engine, cut, planned.plan, log, planned.preflight, tuple(lines))
         return extend_class(model, PipelinedModule, {}, "lamina_pp", state)
+
+    def compiled_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        settings: StepOptions,
+        job: StepJob,
+        inside: Sequence[InGraphCollectives] = (),
+    ) -> TrainingStep:
+        """The pipelined step with every block of this rank's stages compiled, forward
+        and backward, and torch's schedule issuing the sends and recvs between them
+        (:mod:`.compiled`); stages sharded by ZeRO-3 or HSDP gather as in the eager step."""
+        from lamina.strategies.pp.compiled import PipelineCompiledStep
+
+        return PipelineCompiledStep(model, optimizer, loss_fn, settings, job)
 
     def place_parameters(
         self, model: nn.Module, placement: Placement

@@ -15,7 +15,7 @@ model from the stage's first block to its last, stopping there by :class:`_Stage
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,8 @@ class StageRunner(nn.Module):
     ) -> None:
         super().__init__()
         self.span = span
+        #: Its blocks' forwards (set by :func:`build_stages`), in the chain's order.
+        self.gates: tuple[GatedBlock, ...] = ()
         owned = [model.get_submodule(chain.blocks[i]) for i in range(span.start, span.stop)]
         if span.is_first:
             owned += [model.get_submodule(n) for n in chain.prefix]
@@ -162,10 +164,16 @@ def build_stages(
         first = model.get_submodule(chain.blocks[s.start])
         last = model.get_submodule(chain.blocks[s.stop - 1])
         _gate(first, last, s, running)
-    for index, name in enumerate(chain.blocks):
-        if index in local:
-            _only_when_running(model.get_submodule(name), index, running)
-    return [StageRunner(model, chain, s, running) for s in spans]
+    gates = {
+        index: _only_when_running(model.get_submodule(name), index, running)
+        for index, name in enumerate(chain.blocks)
+        if index in local
+    }
+    runners = [StageRunner(model, chain, s, running) for s in spans]
+    for runner in runners:
+        span = runner.span
+        runner.gates = tuple(gates[i] for i in range(span.start, span.stop))
+    return runners
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -216,14 +224,25 @@ def _gate(first: nn.Module, last: nn.Module, span: StageSpan, running: _Running)
     last.register_forward_hook(leave)
 
 
-def _only_when_running(block: nn.Module, index: int, running: _Running) -> None:
+def _only_when_running(block: nn.Module, index: int, running: _Running) -> GatedBlock:
     """A local block that another local stage's forward reaches hands its input on."""
-    forward = block.forward
+    gate = GatedBlock(index, block.forward, running)
+    block.forward = gate  # type: ignore[method-assign]
+    return gate
 
-    def gated(x: Any, *args: Any, **kwargs: Any) -> Any:
-        span = running.span
-        if span is not None and not span.start <= index < span.stop:
+
+class GatedBlock:
+    """A local block's forward: it runs (:attr:`run`, the block's own forward, or what a
+    compiled step puts there) only when a stage holding the block runs the model, and
+    hands its first input on otherwise."""
+
+    def __init__(self, index: int, run: Callable[..., Any], running: _Running) -> None:
+        self.index = index
+        self.run = run
+        self._running = running
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        span = self._running.span
+        if span is not None and not span.start <= self.index < span.stop:
             return x
-        return forward(x, *args, **kwargs)
-
-    block.forward = gated  # type: ignore[method-assign]
+        return self.run(x, *args, **kwargs)
