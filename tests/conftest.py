@@ -52,7 +52,10 @@ def device_backend() -> str:
 #: compiled_step 334, emulate 255, checkpoint 149, tensor_parallel 117, pipeline 100,
 #: finetuning 64, checkpoint_cli 61, ..., measured 2026-12-01 to 12-04; in the whole suite
 #: on 2026-12-05: emulate 178, compiled_step 147, checkpoint 146, examples 102, cli_plan
-#: 92, gpu_suite 84, pipeline 84, tensor_parallel 51, the Trainer and Lightning tests ~30).
+#: 92, gpu_suite 84, pipeline 84, tensor_parallel 51, the Trainer and Lightning tests ~30;
+#: on 2026-12-06 the compiled step's newer modules: compile_once 106 (before its two
+#: file jobs became one), compiled_tensor_parallel 70, compiled_codecs 50,
+#: compiled_pipeline 35).
 #: pytest-xdist hands whole modules (``--dist loadfile``) to its workers in collection
 #: order (``--no-loadscope-reorder``, noxfile.py), so these start first and the short
 #: modules fill the gaps: a long module started last would end the session alone. The
@@ -62,11 +65,15 @@ SLOWEST_FIRST = (
     "test_emulate.py",
     "test_checkpoint.py",
     "test_compiled_step.py",
+    "test_compile_once.py",
     "test_examples.py",
     "test_cli_plan.py",
     "test_gpu_suite.py",
     "test_tensor_parallel.py",
     "test_pipeline.py",
+    "test_compiled_tensor_parallel.py",
+    "test_compiled_codecs.py",
+    "test_compiled_pipeline.py",
     "test_context_parallel.py",
     "test_hf_trainer.py",
     "test_lightning.py",
