@@ -43,6 +43,10 @@ EAGER_STEP = 1
 #: gradient one rounding apart into one quantization step apart, which error feedback
 #: carries on: the smaller rate keeps the two steps' rounding apart under 1e-6.
 ADAMW_LR = 1e-3
+#: Residual elements over the run that may be one quantization step apart, and the
+#: largest such step (int8's scale of these gradients, ~0.05 / 127, under 1e-3).
+FLIPS = 2
+ONE_STEP = 1e-3
 
 
 class _Net(nn.Module):
@@ -171,6 +175,8 @@ def _one_run(codec_name: str, optimizer_name: str, rank: int) -> dict[str, Any]:
         compiled, opt_compiled, F.mse_loss, backend="aot_eager", max_shapes=1
     )
     worst = {"loss": 0.0, "param": 0.0, "residual": 0.0}
+    #: Residual elements more than TOLERANCE apart (one quantization step: see FLIPS).
+    flips = 0
     norms: list[dict[str, float]] = []
     issued: list[dict[str, int]] = []
     fell_back: list[tuple[list[str], list[str]]] = []
@@ -192,8 +198,9 @@ def _one_run(codec_name: str, optimizer_name: str, rank: int) -> dict[str, Any]:
         pairs = zip(compiled.parameters(), eager.parameters(), strict=True)
         worst["param"] = max(worst["param"], *((a - b).abs().max().item() for a, b in pairs))
         ours, theirs = _residuals(compiled, codec), _residuals(eager, codec)
-        gaps = ((ours[n] - theirs[n]).abs().max().item() for n in ours)
-        worst["residual"] = max(worst["residual"], *gaps)
+        gaps = [(ours[n] - theirs[n]).abs() for n in ours]
+        flips += sum(int((g > TOLERANCE).sum()) for g in gaps)
+        worst["residual"] = max(worst["residual"], *(float(g.max()) for g in gaps))
         norms.append({n: float(r.norm()) for n, r in ours.items()})
         issued.append(dict(compiled.run_log.current.issued))
         events = compiled.run_log.current.fallbacks
@@ -212,6 +219,7 @@ def _one_run(codec_name: str, optimizer_name: str, rank: int) -> dict[str, Any]:
     coded = [n.id for n in plan.collectives() if n.codec is not None]
     return {
         **worst,
+        "flips": flips,
         "eager_reason": step.eager_reason,
         "taken": declared.taken,
         "mode": next(n.detail.mode for n in plan.nodes if n.id == "forward"),
@@ -264,7 +272,11 @@ def test_a_codec_compiled_step_equals_its_eager_step_with_its_error_feedback(cod
             assert result["ops"] == ["all_to_all", "broadcast"], result  # gloo's two phases
             assert result["graphs"] == 1
             assert result["loss"] <= TOLERANCE and result["param"] <= TOLERANCE, result
-            assert result["residual"] <= TOLERANCE, result
+            # a gradient one rounding apart (torch.func's backward against autograd's) can
+            # quantize one step apart: its residual is then one step apart, at most
+            # FLIPS elements over the run (measured: none, or one int8 element 3.6e-4
+            # apart at the last step, its parameters still within 6e-8)
+            assert result["flips"] <= FLIPS and result["residual"] <= ONE_STEP, result
             # the buckets a rank flagged fell back as eager's did, in the flagged step only
             fell_back = result["fell_back"]
             assert all(ours == eager for ours, eager in fell_back), fell_back
