@@ -453,22 +453,15 @@ class CompiledStep(ABC):
 
 
 def clipped(
-    grads: dict[str, torch.Tensor],
-    max_norm: float,
-    norm_type: float,
-    flats: Sequence[tuple[torch.Tensor, Sequence[str]]] = (),
+    grads: dict[str, torch.Tensor], max_norm: float, norm_type: float
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``grads`` (whole, the same on every rank) scaled as
-    ``torch.nn.utils.clip_grad_norm_`` scales them, and their total norm (traceable).
-    ``flats``: flat buffers holding some of the gradients (and zeros elsewhere) with
-    their names: each one's norm taken in one reduction, in place of theirs."""
-    covered = {name for _, names in flats for name in names}
-    values = [f.detach() for f, _ in flats]
-    values += [g.detach() for n, g in grads.items() if n not in covered]
+    ``torch.nn.utils.clip_grad_norm_`` scales them, and their total norm (traceable)."""
+    values = list(grads.values())
     if norm_type == float("inf"):
-        total = torch.stack([g.abs().max() for g in values]).max()
+        total = torch.stack([g.detach().abs().max() for g in values]).max()
     else:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in values])
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in values])
         total = torch.linalg.vector_norm(norms, norm_type)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return {n: g * scale for n, g in grads.items()}, total

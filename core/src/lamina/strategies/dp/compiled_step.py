@@ -286,11 +286,11 @@ class DataParallelCompiledStep(CompiledStep):
             return loss
 
         grads, loss = grad_and_value(loss_of)(params)
-        averaged, flats = self._all_reduced(grads, codec_state)
+        averaged = self._all_reduced(grads, codec_state)
         max_norm = self.options.max_norm
         norm = None
         if max_norm is not None:  # the averaged gradients are whole on every rank
-            averaged, norm = clipped(averaged, max_norm, self.options.norm_type, flats)
+            averaged, norm = clipped(averaged, max_norm, self.options.norm_type)
         self._functional.update(updated, [[averaged[n] for n in names] for names in grouped], lrs)
         detached: torch.Tensor = loss.detach()
         if norm is not None:
@@ -299,20 +299,17 @@ class DataParallelCompiledStep(CompiledStep):
 
     def _all_reduced(
         self, grads: dict[str, torch.Tensor], codec_state: tuple[list[Any], Any]
-    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, tuple[str, ...]]]]:
+    ) -> dict[str, torch.Tensor]:
         """Each bucket of the plan flattened in slot order (padded), summed over the
         group, divided by its size, cut back into the parameters' gradients (a codec
-        bucket divided first, then summed through the codec's two phases); with each
-        bucket's averaged buffer and the names it holds (a norm takes one reduction per
-        bucket, its padding zeros)."""
+        bucket divided first, then summed through the codec's two phases)."""
         assert self._buckets is not None
         group, size = self.state.group, len(self.state.ranks)
         world = dist.group.WORLD
         assert world is not None
         out = dict(grads)
-        flats: list[tuple[torch.Tensor, tuple[str, ...]]] = []
         if size == 1:
-            return out, flats
+            return out
         residuals, flags = codec_state
         coded_flags: list[torch.Tensor] = []
         for bucket in self._buckets.buckets:
@@ -326,7 +323,6 @@ class DataParallelCompiledStep(CompiledStep):
                     group if group is not None else world,
                 )
                 coded_flags.append(flagged)
-                flats.append((mean, tuple(slot.name for slot in bucket.slots)))
                 for slot in bucket.slots:
                     view = mean[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     out[slot.name] = view
@@ -340,12 +336,11 @@ class DataParallelCompiledStep(CompiledStep):
                     flat, hosts.intra, hosts.inter, local, native, chunks
                 )
             mean = summed / size
-            flats.append((mean, tuple(slot.name for slot in bucket.slots)))
             for slot in bucket.slots:
                 out[slot.name] = mean[slot.offset : slot.offset + slot.numel].view(slot.shape)
         if flags is not None:
             flags.copy_(torch.stack(coded_flags))
-        return out, flats
+        return out
 
 
 def _packed(grads: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor]:
