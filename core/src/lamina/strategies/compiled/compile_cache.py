@@ -6,9 +6,11 @@ rank compiling its captured graph with Inductor at the same time:
 1. each rank hashes its graph (:func:`graph_key`: the graph's code, its inputs' shapes,
    strides and dtypes, the backend and its settings, torch's version) and the ranks
    exchange the hashes over the control group;
-2. the lowest rank holding a hash (its *leader*) compiles it, first loading the cache
-   file of that hash where one exists (:func:`cache_dir`), while the ranks holding the
-   same hash wait; it then sends them torch's cache artifacts
+2. each rank first loads the cache file of its hash where one exists
+   (:func:`cache_dir`); where every rank holding a hash loaded it, each compiles from its
+   caches on its own (nothing is waited for or sent). Otherwise the lowest rank holding
+   a hash (its *leader*) compiles it, while the ranks holding the same hash wait; it
+   then sends them torch's cache artifacts
    (``torch.compiler.save_cache_artifacts``) through ``torch.distributed``;
 3. they load the artifacts (``torch.compiler.load_cache_artifacts``) and compile: Inductor
    and AOT autograd find the graph in their caches instead of compiling it again.
@@ -161,7 +163,8 @@ class CompileOnce:
         folder = cache_dir()
         path = folder / f"{key}.bin" if folder is not None else None
         rank = _rank(self.group)
-        leader_of = _leaders(self._gather(key))
+        from_file = _load_file(path) if path is not None else False
+        leader_of = _leaders_unless_loaded(self._gather((key, from_file)))
         leader = leader_of[rank]
         followers = [r for r, lead in enumerate(leader_of) if lead == rank and r != rank]
         failure: Exception | None = None
@@ -169,7 +172,6 @@ class CompileOnce:
         how, compiles, payload = COMPILED, 0, None
         if leader == rank:
             try:
-                from_file = _load_file(path) if path is not None else False
                 compiled, compiles = _counting(compile_fn)
                 how = FILE if from_file and not compiles else COMPILED if compiles else TORCH_CACHE
                 if followers or (path is not None and how != FILE):
@@ -226,6 +228,16 @@ def _leaders(keys: list[str]) -> list[int]:
     """Each rank's leader: the lowest rank holding the same graph key."""
     first: dict[str, int] = {}
     return [first.setdefault(key, r) for r, key in enumerate(keys)]
+
+
+def _leaders_unless_loaded(held: list[tuple[str, bool]]) -> list[int]:
+    """Each rank's leader from (graph key, whether the rank loaded its cache file):
+    where every rank holding a key loaded its file, each is its own leader (nothing to
+    wait for or send); else the lowest rank holding the key."""
+    keys = [key for key, _ in held]
+    every_loaded = {key: all(ok for k, ok in held if k == key) for key in keys}
+    leaders = _leaders(keys)
+    return [r if every_loaded[key] else leaders[r] for r, key in enumerate(keys)]
 
 
 def _load_sent(artifacts: bytes | None, leader: int) -> None:
