@@ -157,10 +157,11 @@ class PipelineEngine:
             with self._whole_parameters(train=True) as sharding:
                 before = {id(p): p.grad.clone() for p in self.params if p.grad is not None}
                 with _traced(SCHEDULE):
+                    kwargs |= _no_outputs(schedule)
                     if self.holds_last:
-                        schedule.step(**kwargs, target=targets, losses=losses, return_outputs=False)
+                        schedule.step(**kwargs, target=targets, losses=losses)
                     else:
-                        schedule.step(**kwargs, return_outputs=False)
+                        schedule.step(**kwargs)
                 scheduled = time.perf_counter()
                 with _traced(GRADIENT_SYNC):
                     self._mean_over_microbatches(before)
@@ -458,6 +459,14 @@ def _traced(name: str, track: str = PIPELINE_TRACK) -> Iterator[None]:
         return
     with recorder.span(track, name):
         yield
+
+
+def _no_outputs(schedule: Any) -> dict[str, Any]:
+    """The keyword telling torch's schedule not to keep the last stage's outputs, where
+    its ``step`` takes it (torch 2.13's does; torch 2.9's hands every keyword to the
+    model)."""
+    accepts = "return_outputs" in inspect.signature(schedule.step).parameters
+    return {"return_outputs": False} if accepts else {}
 
 
 def tied_share(numel: int, parts: int) -> int:
