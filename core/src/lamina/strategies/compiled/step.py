@@ -268,7 +268,7 @@ class CompiledStep(ABC):
             self._declare()
         if self.eager_reason:
             return self.eager_step(inputs, target)
-        shape = _signature([*inputs, target])
+        shape = signature_of([*inputs, target])
         new = shape not in self._shapes
         log = self.run_log
         if new and len(self._shapes) >= self.max_shapes:
@@ -472,6 +472,12 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     and its recompile count per code object, so each compiled step keeps its own (its
     shapes are counted against ``max_shapes`` alone, not with every other step's)."""
     function = method.__func__  # type: ignore[attr-defined]
+    return types.MethodType(code_copy(function), method.__self__)  # type: ignore[attr-defined]
+
+
+def code_copy(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own (its defaults and closure kept):
+    ``torch.compile``'s graphs and recompile count, kept per code object, are its own."""
     copy = types.FunctionType(
         function.__code__.replace(),
         function.__globals__,
@@ -479,9 +485,10 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
         function.__defaults__,
         function.__closure__,
     )
-    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
 
 
-def _signature(values: list[Any]) -> Signature:
+def signature_of(values: list[Any]) -> Signature:
     """The shapes and dtypes of the step's tensor arguments (what a new graph is for)."""
     return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))

@@ -33,7 +33,15 @@ from lamina.errors import ConfigError
 from lamina.runtime import Compute, ExecutionPlan, Fallback, RunLog
 from lamina.strategies.compiled.graph_break import graph_break_reason
 from lamina.strategies.compiled.graph_collectives import graph_collectives
-from lamina.strategies.compiled.step import EAGER, LossFn, Signature, StepJob, StepOptions
+from lamina.strategies.compiled.step import (
+    EAGER,
+    LossFn,
+    Signature,
+    StepJob,
+    StepOptions,
+    code_copy,
+    signature_of,
+)
 from lamina.strategies.pp.plan_nodes import OPTIMIZER
 from lamina.strategies.pp.stages import GatedBlock
 
@@ -178,7 +186,7 @@ class PipelineCompiledStep:
             self._declare()
         if self.eager_reason:
             return self._step(inputs, target, self._eager_runs())
-        shape = _signature([*inputs, target])
+        shape = signature_of([*inputs, target])
         if shape in self._shapes:
             return self._step(inputs, target, self._compiled_runs())
         if len(self._shapes) >= self.options.max_shapes:
@@ -291,13 +299,7 @@ def _own_codes(gates: tuple[GatedBlock, ...]) -> dict[int, Callable[..., Any]]:
             continue
         copy = copies.get(id(function))
         if copy is None:
-            copy = copies[id(function)] = types.FunctionType(
-                function.__code__.replace(),
-                function.__globals__,
-                function.__name__,
-                function.__defaults__,
-                function.__closure__,
-            )
+            copy = copies[id(function)] = code_copy(function)
         out[id(gate)] = types.MethodType(copy, run.__self__)  # type: ignore[attr-defined]
     return out
 
@@ -331,7 +333,3 @@ def _failed_anywhere(failed: bool, group: dist.ProcessGroup | None) -> bool:
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
     dist.all_reduce(flag, group=group)
     return int(flag) > 0
-
-
-def _signature(values: list[Any]) -> Signature:
-    return tuple((tuple(v.shape), str(v.dtype)) for v in values if isinstance(v, torch.Tensor))
