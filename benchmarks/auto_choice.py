@@ -136,6 +136,9 @@ def measure_model(runtime: lamina.Runtime, name: str, args: argparse.Namespace) 
                 if entry.prediction
                 else None,
                 "rejected": entry.rejected,
+                "interval_s": list(entry.prediction.interval_s)
+                if entry.prediction and entry.prediction.interval_s
+                else None,
                 "parts": entry.prediction.parts if entry.prediction else None,
             }
         )

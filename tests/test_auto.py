@@ -20,13 +20,17 @@ import lamina
 from examples_on_ranks import run_example
 from lamina.auto.attention import AttentionCall, AttentionProfile
 from lamina.auto.candidates import candidates_for
+from lamina.auto.choose import distribute_candidate
 from lamina.auto.comm import ClusterComm
 from lamina.auto.experts import ExpertLayer, ExpertProfile
 from lamina.auto.measure import ChainProfile, ModelProfile
 from lamina.auto.predict import NotApplicable, predict_candidate
 from lamina.auto.ranking import rank_candidates
 from lamina.errors import ConfigError
+from lamina.runtime import ExecutionPlan
+from lamina.runtime.nodes import Transfer
 from lamina.simulate import cluster_from_dict
+from lamina.simulate.timing import modelled_op
 from lamina.strategies.pp.chain import BlockChain
 from lamina.strategies.pp.cut import BlockCosts
 from lamina.testing import run_ranks
@@ -382,6 +386,16 @@ def _auto_job() -> dict[str, Any]:
     else:
         model(ids).float().mean().backward()
     summary = model.step_summary()  # type: ignore[operator]
+    priced, planned = {}, {}
+    for entry in choice.ranking.entries:  # each candidate as given by hand: its real plan
+        assert entry.prediction is not None
+        priced[entry.candidate.label] = sorted(
+            (c.node, c.op, c.axis, c.nbytes) for c in entry.prediction.collectives
+        )
+        built = distribute_candidate(lamina.distribute, _gpt(), entry.candidate, (ids,))
+        if built.execution_plan is None:  # dp plans at its first forward
+            built(ids)
+        planned[entry.candidate.label] = _issued(built.execution_plan)  # type: ignore[arg-type]
     try:
         lamina.distribute(
             _gpt(), "auto", example_inputs=(ids,), device_memory=1 << 16, timing_runs=1
@@ -391,6 +405,8 @@ def _auto_job() -> dict[str, Any]:
         too_big = str(exc)
     lamina.shutdown()
     return {
+        "priced": priced,
+        "planned": planned,
         "chosen": choice.candidate.label,
         "strategy": choice.strategy,
         "ranked": [e.candidate.label for e in choice.ranking.entries],
@@ -402,10 +418,28 @@ def _auto_job() -> dict[str, Any]:
     }
 
 
+def _issued(plan: ExecutionPlan) -> list[tuple[str, str, str, int]]:
+    """Every collective and pipeline send one step of ``plan`` issues (id, op, axis,
+    bytes), read from the plan as the engines read it."""
+    out = []
+    for node in plan.nodes:
+        if node.collective is not None and node.phase != "setup":
+            spec = node.collective
+            out.append((node.id, modelled_op(node), spec.axis, spec.nbytes))
+        elif node.kind == "send" and isinstance(node.detail, Transfer):
+            out.append((node.id, "send", node.detail.axis, node.detail.nbytes))
+    return sorted(out)
+
+
 @pytest.mark.multiprocess
 def test_every_rank_chooses_alike_and_the_plan_and_run_log_record_it() -> None:
     results = run_ranks(_auto_job, 2, timeout=300)
     first = results[0]
+    # every candidate's step was priced from exactly the collectives its plan issues
+    assert set(first["priced"]) == {"dp", "zero3", "tp", "pp"}
+    for label, issued in first["planned"].items():
+        assert [tuple(c) for c in first["priced"][label]] == [tuple(c) for c in issued], label
+    assert len(first["planned"]["tp"]) > 20  # every layer's activation collectives
     assert all(r["chosen"] == first["chosen"] and r["ranked"] == first["ranked"] for r in results)
     assert first["ranked"][0] == first["chosen"]
     assert set(first["ranked"]) == {"dp", "zero3", "tp", "pp"}
@@ -454,9 +488,13 @@ def test_lamina_plan_auto_prints_the_ranking_then_the_chosen_plan(tmp_path: Path
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0] == f"lamina plan --auto: {script}"
-    assert lines[1].split() == ["#", "candidate", "step", "ms", "memory", "verdict"]
+    assert lines[1].split() == ["#", "candidate", "step", "ms", "interval", "memory", "verdict"]
     rows = lines[2:6]
     assert rows[0].split()[1] and rows[0].endswith("chosen")
+    for row in rows:  # each step with the interval the measured spread gives
+        step, interval = row.split()[2:4]
+        low, high = (float(v) for v in interval.split("-"))
+        assert low <= float(step) <= high, row
     assert sorted(r.split()[1] for r in rows) == ["dp", "pp", "tp", "zero3"]
     assert any("x the chosen" in r for r in rows)
     assert lines[6].startswith("device memory ") and "links: timed on this job" in lines[6]

@@ -104,6 +104,21 @@ def test_a_norm_over_the_split_features_keeps_a_region_replicated() -> None:
     assert dict(plan.replicated)["up"].startswith("layer_norm in ")
 
 
+def test_two_pairs_of_linears_under_one_container_stay_replicated_with_the_fix() -> None:
+    """A flat stack of linears pairs into regions whose innermost common module is the
+    root for both: neither can gather its input there, so both stay whole (found when
+    "auto" first planned tp on such a model: the plan had one node id twice)."""
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]
+    plan = derive_plan(
+        nn.Sequential(*blocks), (torch.randn(2, 8),), None, 2, sequence_parallel=False
+    )
+    assert plan.regions == ()
+    reasons = dict(plan.replicated)
+    assert set(reasons) == {"0.0", "1.0", "2.0", "3.0"}
+    assert "held by the same module (the model itself)" in reasons["0.0"]
+    assert "put each column/row pair in a module of its own" in reasons["0.0"]
+
+
 def test_a_key_value_head_count_tp_does_not_divide_is_one_line_before_any_collective() -> None:
     model = tiny_llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ConfigError) as err:

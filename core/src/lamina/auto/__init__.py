@@ -3,7 +3,10 @@
 :mod:`lamina.auto.candidates` lists the ways to distribute a model on the mesh,
 :mod:`lamina.auto.measure` times the model on the device, :mod:`lamina.auto.comm` costs
 each collective (timed on the job, or on a declared cluster),
-:mod:`lamina.auto.predict` predicts each candidate's step time and memory per rank,
+:mod:`lamina.auto.plans` makes each candidate's plan without a collective,
+:mod:`lamina.auto.pricing` prices its nodes for :func:`lamina.simulate.step.price_step`,
+:mod:`lamina.auto.predict` predicts each candidate's memory per rank (and its step on a
+declared cluster),
 :mod:`lamina.auto.ranking` ranks them, and :mod:`lamina.auto.choose` chooses: it returns
 the choice (:class:`AutoChoice`, with the :class:`Distribution` that applies it), which
 ``lamina.distribute`` applies as strategies given by hand. ``lamina plan --auto

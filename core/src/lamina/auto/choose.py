@@ -5,8 +5,10 @@
    (:class:`~lamina.auto.comm.MeasuredComm`), or costed on a declared cluster
    (:class:`~lamina.auto.comm.ClusterComm`, ``lamina plan --simulate CLUSTER --auto``).
 2. Every candidate of the mesh (:mod:`lamina.auto.candidates`) is predicted and ranked
-   (:mod:`lamina.auto.ranking`); the fastest that fits the device's memory is chosen,
-   or a one-line error says that none fits.
+   (:mod:`lamina.auto.ranking`): on the job its plan is made on a copy of the model
+   (:mod:`lamina.auto.plans`) and priced node by node (:mod:`lamina.auto.pricing`,
+   :func:`lamina.simulate.step.price_step`); the fastest that fits the device's memory
+   is chosen, or a one-line error says that none fits.
 3. The ranks check that they chose alike (the pre-flight verifier, on the choice and
    every prediction).
 
@@ -25,7 +27,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,9 +43,12 @@ from lamina.auto.measure import (
     profile_model,
     rows_of,
 )
+from lamina.auto.plans import plan_candidate
+from lamina.auto.pricing import PlanPrices
 from lamina.auto.ranking import MEMORY_MARGIN, Ranking, rank_candidates
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
+from lamina.simulate.step import PricedStep, price_step
 from lamina.strategies.contract import Placement, StrategyOptions
 
 if TYPE_CHECKING:
@@ -295,6 +300,13 @@ def rank_for(
     if profile.experts is None:  # no MoE layer: nothing for ep to spread
         candidates = [c for c in candidates if c.ep_degree == 1]
     world = math.prod(size for _, size in axes)
+    global_rows = global_rows_of(opts, world)
+    price = None
+    if cluster is None:  # this job's mesh: each candidate planned, its plan priced
+
+        def price(candidate: Candidate) -> PricedStep:
+            return price_candidate(model, candidate, runtime, opts, profile, comm, global_rows)
+
     ranking = rank_candidates(
         candidates,
         profile,
@@ -302,9 +314,42 @@ def rank_for(
         device_memory=memory,
         margin=opts.memory_margin,
         where=where,
-        global_rows=global_rows_of(opts, world),
+        global_rows=global_rows,
+        price=price,
     )
     return ranking, profile
+
+
+def price_candidate(
+    model: nn.Module,
+    candidate: Candidate,
+    runtime: Runtime,
+    opts: AutoOptions,
+    profile: ModelProfile,
+    comm: CommCosts,
+    global_rows: int,
+) -> PricedStep:
+    """``candidate``'s step on this job: its plan (:func:`lamina.auto.plans.plan_candidate`,
+    no collective of the step issued) priced node by node
+    (:func:`lamina.simulate.step.price_step`) from the profile and the fits, with the
+    interval the measured spread gives (the compute at its quartiles)."""
+    inputs = opts.example_inputs
+    assert inputs is not None
+    planned = plan_candidate(
+        model, candidate, runtime, inputs, opts.example_kwargs, global_rows=global_rows
+    )
+    prices = PlanPrices(
+        profile.at_rows(global_rows / runtime.world_size),
+        comm,
+        planned,
+        tuple(runtime.mesh.axis_names),
+    )
+    priced = price_step(planned.plan, prices, planned.pipeline)
+    low, high = (
+        price_step(planned.plan, replace(prices, compute_scale=end), planned.pipeline).step_s
+        for end in profile.spread
+    )
+    return replace(priced, interval_s=(min(low, priced.step_s), max(high, priced.step_s)))
 
 
 def _groups(candidates: list[Candidate]) -> set[tuple[str, ...]]:
@@ -449,6 +494,7 @@ __all__ = [
     "distribution_for",
     "forced_options",
     "global_rows_of",
+    "price_candidate",
     "rank_cluster",
     "rank_for",
     "replica_of",

@@ -18,6 +18,7 @@ all-reduce sums, the unit an all-gather fills, the message a pipeline sends):
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -40,8 +41,16 @@ Timer = Callable[[int, int], float]
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
 #: Buffer sizes (bytes) each op is timed at.
 FIT_SIZES: tuple[int, int] = (256 << 10, 4 << 20)
+#: A larger size each op is also timed at where the first two predict it takes at most
+#: :data:`LARGE_FIT_BUDGET_S` on every rank (large buffers miss the caches: a fit through
+#: small ones prices them too cheap; on slow links it would take too long to time).
+LARGE_FIT_SIZE = 24 << 20
+LARGE_FIT_BUDGET_S = 0.15
 #: Timed calls per size (after a warm-up), of which the median counts.
 FIT_RUNS = 3
+#: Times the overlap share is measured (compute, collective, both; interleaved), of
+#: which the median counts: one measurement swings from none to all on a shared machine.
+OVERLAP_ROUNDS = 5
 #: Rounds of compute and a blocking collective :func:`measure_skew` times.
 SKEW_ROUNDS = 16
 
@@ -70,14 +79,27 @@ class CommCosts(Protocol):
 
 @dataclass(frozen=True)
 class Fit:
-    """``alpha + beta x bytes`` seconds."""
+    """``alpha + beta x bytes`` seconds up to the next segment's first byte count, then
+    that segment's line (``beyond``: ``(from bytes, alpha, beta)`` in order): the line
+    through the timed points on each side, so a large buffer is priced by what large
+    buffers measured (past the caches, a byte costs more)."""
 
     alpha: float
     beta: float
+    beyond: tuple[tuple[float, float, float], ...] = ()
 
     def seconds(self, nbytes: float) -> float:
         """The fitted time of ``nbytes``."""
-        return self.alpha + self.beta * nbytes
+        alpha, beta = self.alpha, self.beta
+        for start, a, b in self.beyond:
+            if nbytes > start:
+                alpha, beta = a, b
+        return alpha + beta * nbytes
+
+    @property
+    def large_beta(self) -> float:
+        """Seconds per byte of the largest buffers timed."""
+        return self.beyond[-1][2] if self.beyond else self.beta
 
     @classmethod
     def through(cls, small: tuple[float, float], large: tuple[float, float]) -> Fit:
@@ -85,6 +107,19 @@ class Fit:
         (x0, t0), (x1, t1) = small, large
         beta = max((t1 - t0) / (x1 - x0), 0.0)
         return cls(max(t0 - beta * x0, 0.0), beta)
+
+    @classmethod
+    def through_all(cls, points: list[tuple[float, float]]) -> Fit:
+        """The lines through consecutive (bytes, seconds) points, in byte order; each
+        segment starts at the point they share, never below the one before it."""
+        points = sorted(points)
+        first = cls.through(points[0], points[1])
+        beyond = []
+        for (x0, t0), (x1, t1) in itertools.pairwise(points[1:]):
+            t0 = max(t0, first.seconds(x0))
+            line = cls.through((x0, t0), (x1, max(t1, t0)))
+            beyond.append((x0, line.alpha, line.beta))
+        return cls(first.alpha, first.beta, tuple(beyond))
 
 
 class MeasuredComm:
@@ -120,6 +155,11 @@ class MeasuredComm:
             f"{op} over {'+'.join(axes)} ({self.sizes[axes]} ranks): "
             f"{fit.alpha * 1e6:.0f} us + {fit.beta * 1e9:.3f} ns/B"
             f" ({1 / fit.beta / 1e9 if fit.beta > 0 else float('inf'):.2f} GB/s)"
+            + (
+                f", past {fit.beyond[-1][0] / 2**20:.0f} MiB {fit.large_beta * 1e9:.3f} ns/B"
+                if fit.beyond
+                else ""
+            )
             for (op, axes), fit in sorted(self.fits.items())
         ]
 
@@ -139,7 +179,7 @@ class MeasuredComm:
 
         mesh = runtime.mesh
         ordered = sorted({tuple(a for a in mesh.axis_names if a in g) for g in groups})
-        points: list[tuple[str, tuple[str, ...], int, float]] = []
+        points: list[tuple[str, tuple[str, ...], list[tuple[float, float]]]] = []
         group_sizes: dict[tuple[str, ...], int] = {}
         for axes in ordered:
             group, ranks = mesh.group_over(axes)
@@ -152,17 +192,14 @@ class MeasuredComm:
                 if layout.host_count > 1 and layout.per_host > 1:
                     timers["all_reduce:hierarchical"] = _hierarchical(runtime, layout)
             for op, timer in timers.items():
-                for nbytes in sizes:
-                    points.append((op, axes, nbytes, timer(nbytes, runs)))
-        slowest = torch.tensor([p[3] for p in points], dtype=torch.float64, device=runtime.device)
-        if dist.is_initialized() and dist.get_world_size() > 1 and points:
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = slowest.tolist()
-        fits: dict[tuple[str, tuple[str, ...]], Fit] = {}
-        for i in range(0, len(points), 2):
-            op, axes, small, _ = points[i]
-            large = points[i + 1][2]
-            fits[(op, axes)] = Fit.through((small, times[i]), (large, times[i + 1]))
+                timed = _slowest([timer(nbytes, runs) for nbytes in sizes], runtime.device)
+                line = Fit.through(*zip(sizes, timed, strict=True))
+                op_points = [(float(n), t) for n, t in zip(sizes, timed, strict=True)]
+                if line.seconds(LARGE_FIT_SIZE) <= LARGE_FIT_BUDGET_S:  # agreed: slowest
+                    large = _slowest([timer(LARGE_FIT_SIZE, runs)], runtime.device)[0]
+                    op_points.append((float(LARGE_FIT_SIZE), large))
+                points.append((op, axes, op_points))
+        fits = {(op, axes): Fit.through_all(found) for op, axes, found in points}
         whole = tuple(mesh.axis_names)
         overlap, skew = 1.0, 0.0
         if runtime.world_size > 1:
@@ -182,7 +219,8 @@ def measure_overlap(
     does; default: matrix products) timed alone, an all-reduce over the job about as
     long (sized by its ``fit``) timed alone, then both at once (the collective issued
     asynchronously first): ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``,
-    the ranks' mean, in [0, 1]. Accelerators with a communication stream hide nearly all
+    the median of :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in
+    [0, 1]. Accelerators with a communication stream hide nearly all
     of it; CPU ranks sharing their cores with the collective's threads hide little."""
     device, sync = runtime.device, runtime.handle.synchronize
     if compute is None:
@@ -208,8 +246,21 @@ def measure_overlap(
         work.wait()
 
     together = _median_seconds(both, runs, sync)
-    hidden = (comm + alone - together) / max(min(comm, alone), 1e-9)
+    shares = [(comm + alone - together) / max(min(comm, alone), 1e-9)]
+    for _ in range(OVERLAP_ROUNDS - 1):  # interleaved: a slow spell hits all three alike
+        apart = [_seconds(work_load, sync), _seconds(lambda: dist.all_reduce(buf), sync)]
+        joint = _seconds(both, sync)
+        shares.append((sum(apart) - joint) / max(min(apart), 1e-9))
+    hidden = statistics.median(shares)
     return _mean_over_ranks(min(1.0, max(0.0, hidden)), device)
+
+
+def _seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
+    """One timed call of ``run``."""
+    start = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - start
 
 
 def measure_skew(runtime: Runtime, runs: int = FIT_RUNS) -> float:
@@ -238,6 +289,15 @@ def measure_skew(runtime: Runtime, runs: int = FIT_RUNS) -> float:
     collectives = _median_seconds(lambda: rounds(True, False), runs, sync)
     extra = (synced - alone - collectives) / SKEW_ROUNDS
     return _mean_over_ranks(max(0.0, extra), device)
+
+
+def _slowest(times: list[float], device: torch.device) -> list[float]:
+    """Each of ``times`` as the slowest rank measured it (collective: every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return times
+    tensor = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(t) for t in tensor.tolist()]
 
 
 def _mean_over_ranks(value: float, device: torch.device) -> float:

@@ -4,7 +4,10 @@ On one batch (``example_inputs``: one rank's share of the global batch under dat
 parallelism), every rank at once (one barrier, then the runs back to back, so each rank
 is timed at the share of a shared device it gets in a training loop):
 
-- the forward, and the forward + backward, of the whole model (median of ``runs``);
+- the forward, and the forward + backward, of the whole model: ``runs`` at a time until
+  every rank knows its median to within 5% (or a cap), the spread (quartiles over the
+  median) kept for the predictions' intervals; where the host's ranks outnumber its
+  cores the profile says so (each rank measured its share of them, as in a step);
 - each block's forward + backward on a microbatch, and the rest's (embeddings, head,
   loss), through the pipeline cut's own timing
   (:func:`lamina.strategies.pp.cut.measure_costs`), where the model has a chain of
@@ -25,6 +28,7 @@ same figures and chooses the same candidate.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +49,13 @@ from lamina.strategies.pp.cut import BlockCosts, backward_of, measure_costs
 
 #: Timed runs of each measurement (after a warm-up), of which the median counts.
 PROFILE_RUNS = 5
+#: How well each whole-model timing's median is known before timing stops: the
+#: half-width of its 95% interval over it (the worst rank's).
+MEDIAN_WITHIN = 0.05
+#: Seconds one timing may take before it stops unsettled.
+SETTLE_CAP_S = 6.0
+#: Runs one timing may take before it stops unsettled.
+SETTLE_MAX_SAMPLES = 40
 #: Elements of the flat tensor AdamW's step is timed on (at most the model's).
 OPTIMIZER_TIMED_NUMEL = 1 << 22
 
@@ -94,6 +105,12 @@ class ModelProfile:
     attention: AttentionProfile | None = None
     #: The Mixture-of-Experts layers (None: the model has none).
     experts: ExpertProfile | None = None
+    #: The forward + backward's lower and upper quartile over its median (the ranks'
+    #: mean): the spread a prediction's interval is priced from.
+    spread: tuple[float, float] = (1.0, 1.0)
+    #: How the host's ranks share its cores (``"4 ranks share 2 cores"``; ``""``: each
+    #: rank has a core or more). Every rank times at once, so each measured its share.
+    shared_cores: str = ""
 
     def at_rows(self, rows: float) -> ModelProfile:
         """The profile of one rank's share of ``rows`` rows (a fraction of a row when a
@@ -135,6 +152,8 @@ class ModelProfile:
             "no_chain": self.no_chain,
             "attention": None if self.attention is None else self.attention.to_json(),
             "experts": None if self.experts is None else self.experts.to_json(),
+            "spread": list(self.spread),
+            "shared_cores": self.shared_cores,
         }
 
 
@@ -191,19 +210,22 @@ def profile_model(
         if distributed:
             dist.barrier()
 
-    def samples(fn: Callable[[], None]) -> list[float]:
+    def samples(fn: Callable[[], None], settle: bool = False) -> list[float]:
         # one start together, then back to back: the ranks drift apart as they do in a
         # training loop (a barrier before each run would have the first ranks done wait,
         # and on gloo poll, while the others still compute)
         together()
         fn()
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()
-            synchronize()
-            times.append(time.perf_counter() - start)
-        return times
+        times: list[float] = []
+        began = time.perf_counter()
+        while True:
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn()
+                synchronize()
+                times.append(time.perf_counter() - start)
+            if not settle or _settled(times, time.perf_counter() - began, device, distributed):
+                return times
 
     def timed(fn: Callable[[], None]) -> float:
         return statistics.median(samples(fn))
@@ -219,17 +241,18 @@ def profile_model(
         backward_of(model(*inputs, **kwargs))
 
     with preserved(model):
-        forwards, wholes = samples(forward), samples(whole)
+        forwards, wholes = samples(forward, True), samples(whole, True)
         activation_bytes = _saved_bytes(model, lambda: model(*inputs, **kwargs))
         attention = attention_profile(model, inputs, kwargs, batch)
         experts = expert_profile(model, inputs, kwargs, batch)
         model.zero_grad(set_to_none=True)
     between()  # a shared machine's slow spells last seconds: time again after it
     with preserved(model):
-        forwards += samples(forward)
-        wholes += samples(whole)
+        forwards += samples(forward, True)
+        wholes += samples(whole, True)
         model.zero_grad(set_to_none=True)
     forward_s, whole_s = statistics.median(forwards), statistics.median(wholes)
+    low, high = _quartiles(wholes)
     rows = microbatch or max(1, batch // 2)
     small = rows_of(inputs, rows, batch)
     together()
@@ -241,7 +264,7 @@ def profile_model(
         dispatch_s = max(0.0, _optimizer_seconds(params, timed, dtensor_mesh, scale=False))
         dispatch_s = max(0.0, dispatch_s - _optimizer_seconds(params, timed, scale=False))
         dispatch_s *= len(params) / max(1, len(_sample(params)))
-    figures = [forward_s, whole_s, optimizer_s, float(activation_bytes), dispatch_s]
+    figures = [forward_s, whole_s, optimizer_s, float(activation_bytes), dispatch_s, low, high]
     if chain_profile is not None:
         figures += [*chain_profile.costs.blocks, chain_profile.costs.rest]
     # every rank predicts from the same numbers: the ranks' mean time, the largest size
@@ -249,8 +272,9 @@ def profile_model(
     forward_s, whole_s, optimizer_s = slowest[:3]
     activation_bytes = int(slowest[3])
     dispatch_s = slowest[4]
+    spread = (slowest[5] / whole_s, slowest[6] / whole_s) if whole_s > 0 else (1.0, 1.0)
     if chain_profile is not None:
-        costs = BlockCosts(tuple(slowest[5:-1]), slowest[-1])
+        costs = BlockCosts(tuple(slowest[7:-1]), slowest[-1])
         chain_profile = ChainProfile(
             chain_profile.chain,
             chain_profile.microbatch,
@@ -274,7 +298,48 @@ def profile_model(
         optimizer_dispatch_s=dispatch_s,
         attention=attention,
         experts=experts,
+        spread=spread,
+        shared_cores=shared_cores(),
     )
+
+
+def _settled(
+    times: list[float], elapsed: float, device: torch.device | None, distributed: bool
+) -> bool:
+    """Whether every rank knows its median to within :data:`MEDIAN_WITHIN` (the
+    half-width of the median's 95% interval, ``1.58 IQR / sqrt(n)``, over the median),
+    or has timed for :data:`SETTLE_CAP_S`, or :data:`SETTLE_MAX_SAMPLES` runs: the ranks
+    agree (the worst rank decides), so they keep timing together."""
+    low, high = _quartiles(times)
+    median = statistics.median(times)
+    width = 1.58 * (high - low) / len(times) ** 0.5
+    worst = [width / median if median > 0 else 0.0, elapsed]
+    if distributed:
+        tensor = torch.tensor(worst, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        worst = tensor.tolist()
+    return worst[0] <= MEDIAN_WITHIN or worst[1] >= SETTLE_CAP_S or len(times) >= SETTLE_MAX_SAMPLES
+
+
+def _quartiles(times: list[float]) -> tuple[float, float]:
+    """The lower and upper quartile of ``times`` (the median twice for one sample)."""
+    if len(times) < 2:
+        return times[0], times[0]
+    q = statistics.quantiles(times, n=4)
+    return q[0], q[2]
+
+
+def shared_cores() -> str:
+    """``"4 ranks share 2 cores"`` when this host's ranks outnumber its cores (each
+    rank's timing is then its share of a core), else ``""``."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    if local > cores:
+        return f"{local} ranks share {cores} cores"
+    return ""
 
 
 def _chain_profile(

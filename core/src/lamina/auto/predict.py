@@ -1,4 +1,11 @@
-"""A candidate's predicted step time and memory per rank: :func:`predict_candidate`.
+"""A candidate's predicted memory per rank, and its step on a declared cluster:
+:func:`predict_candidate`.
+
+On the running job ``"auto"`` prices each candidate's step from its own plan
+(:mod:`lamina.auto.plans`, :mod:`lamina.auto.pricing`, :func:`lamina.simulate.step.
+price_step`), which replaces the step these formulas give; they still give the memory,
+whether a candidate can run the model, and the step on a declared cluster
+(``lamina plan --simulate CLUSTER --auto``), whose mesh the job cannot plan on.
 
 From the measured :class:`~lamina.auto.measure.ModelProfile` (``t_f``, ``t_b``: one
 rank's forward and backward on its batch ``b``; the blocks' forward + backward on a
@@ -66,6 +73,7 @@ from typing import Any
 from lamina.auto.candidates import LOSSY_CODECS, Candidate
 from lamina.auto.comm import CommCosts
 from lamina.auto.measure import ModelProfile
+from lamina.simulate.step import PricedCollective
 
 #: The buckets ``dp``'s gradients are predicted in (its own sizing: about 8).
 DP_BUCKETS = 8
@@ -91,14 +99,21 @@ class CandidatePrediction:
     parts: dict[str, float] = field(default_factory=dict)
     #: The memory's parts (bytes).
     memory_parts: dict[str, int] = field(default_factory=dict)
+    #: The step's collectives as its plan issues them, priced (empty when the step was
+    #: not priced from a plan).
+    collectives: tuple[PricedCollective, ...] = ()
+    #: The step at the low and high end of the measured spread (None: not measured).
+    interval_s: tuple[float, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain data."""
         return {
             "step_s": self.step_s,
+            "interval_s": list(self.interval_s) if self.interval_s else None,
             "memory_bytes": self.memory_bytes,
             "parts": dict(self.parts),
             "memory_parts": dict(self.memory_parts),
+            "collectives": len(self.collectives),
         }
 
 

@@ -14,8 +14,8 @@ the device's memory.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lamina.auto.candidates import Candidate
@@ -23,6 +23,7 @@ from lamina.auto.comm import CommCosts
 from lamina.auto.measure import ModelProfile
 from lamina.auto.predict import CandidatePrediction, NotApplicable, fits, predict_candidate
 from lamina.errors import ConfigError
+from lamina.simulate.step import PricedStep
 
 #: Share of the device's memory kept free by default.
 MEMORY_MARGIN = 0.1
@@ -102,9 +103,9 @@ class Ranking:
 
 def render_ranking(data: dict[str, Any]) -> str:
     """A ranking's JSON (:meth:`Ranking.to_json`) as lines: rank, candidate, predicted
-    step and memory per rank, and the verdict (chosen, how much slower, or why
-    rejected)."""
-    rows = [f"{'#':>2}  {'candidate':34}{'step ms':>10}{'memory':>11}  verdict"]
+    step with the interval the measured spread gives, memory per rank, and the verdict
+    (chosen, how much slower, or why rejected)."""
+    rows = [f"{'#':>2}  {'candidate':34}{'step ms':>10}{'interval':>15}{'memory':>11}  verdict"]
     entries = data["candidates"]
     best = next(
         (e["prediction"]["step_s"] for e in entries if not e["rejected"] and e["prediction"]),
@@ -113,6 +114,8 @@ def render_ranking(data: dict[str, Any]) -> str:
     for i, e in enumerate(entries, 1):
         p = e["prediction"]
         step = f"{p['step_s'] * 1e3:10.1f}" if p else f"{'-':>10}"
+        interval = p.get("interval_s") if p else None
+        step += f"{_interval(interval):>15}"
         mem = f"{_gib(p['memory_bytes']):>11}" if p else f"{'-':>11}"
         if e["rejected"]:
             verdict = f"rejected: {e['rejected']}"
@@ -141,9 +144,13 @@ def rank_candidates(
     margin: float = MEMORY_MARGIN,
     where: str = "",
     global_rows: int | None = None,
+    price: Callable[[Candidate], PricedStep] | None = None,
 ) -> Ranking:
     """Predict every candidate with ``global_rows`` rows per step (default: the
-    profile's rows on every rank) and rank them (see the module)."""
+    profile's rows on every rank) and rank them (see the module). ``price``: the step
+    of a candidate priced from its plan (:func:`lamina.simulate.step.price_step`),
+    which replaces the predicted step time and its parts; a ConfigError from it rejects
+    the candidate."""
     entries = []
     for candidate in candidates:
         try:
@@ -151,6 +158,19 @@ def rank_candidates(
         except NotApplicable as exc:
             entries.append(Ranked(candidate, None, f"not applicable: {exc}"))
             continue
+        if price is not None:
+            try:
+                priced = price(candidate)
+            except ConfigError as exc:
+                entries.append(Ranked(candidate, None, f"not applicable: {exc}"))
+                continue
+            prediction = replace(
+                prediction,
+                step_s=priced.step_s,
+                parts=dict(priced.parts),
+                collectives=priced.collectives,
+                interval_s=priced.interval_s,
+            )
         if not fits(prediction, device_memory, margin):
             reason = (
                 f"needs {_gib(prediction.memory_bytes)} per rank, over "
@@ -181,6 +201,13 @@ def rank_candidates(
         )
     )
     return Ranking(tuple(entries), device_memory, margin, where)
+
+
+def _interval(interval: list[float] | None) -> str:
+    """``135.2-150.9`` (ms), or ``-`` without one."""
+    if not interval:
+        return "-"
+    return f"{interval[0] * 1e3:.1f}-{interval[1] * 1e3:.1f}"
 
 
 def _gib(nbytes: int) -> str:

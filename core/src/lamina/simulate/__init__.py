@@ -6,7 +6,9 @@ intra-host link, the NICs) and builds the :class:`~lamina.comm.cost.CostModel` o
 :mod:`lamina.simulate.groups` maps each mesh axis to a simulated group on it,
 :mod:`lamina.simulate.timing` costs each collective of an execution plan on its group,
 :mod:`lamina.simulate.memory` applies the ZeRO memory formulas,
-:mod:`lamina.simulate.report` holds the prediction with its report and assumptions, and
+:mod:`lamina.simulate.report` holds the prediction with its report and assumptions,
+:mod:`lamina.simulate.step` prices a whole step over a plan's edges from the price of
+each node (what ``"auto"`` ranks its candidates by), and
 :mod:`lamina.simulate.predict` wires them together. ``lamina plan --simulate
 CLUSTER.json SCRIPT`` captures the plan and prints the prediction.
 """

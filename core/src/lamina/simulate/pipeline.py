@@ -86,8 +86,19 @@ class PipelinePrediction:
 
 
 def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction | None:
-    """The simulated schedule of ``plan`` (see the module); None for a plan without
-    pipeline stages."""
+    """The simulated schedule of ``plan`` on the declared cluster's links (see the
+    module); None for a plan without pipeline stages."""
+    return schedule_pipeline(plan, _link_seconds(groups, pipeline_axis(plan)))
+
+
+def schedule_pipeline(
+    plan: ExecutionPlan,
+    link_s: Callable[[int], float],
+    stage_s: Callable[[PlanNode], float] | None = None,
+) -> PipelinePrediction | None:
+    """The simulated schedule of ``plan`` (see the module), each transfer of ``n`` bytes
+    taking ``link_s(n)`` and each stage node ``stage_s(node)`` (default: the seconds the
+    plan predicts for it); None for a plan without pipeline stages."""
     stages = {n.id: n for n in plan.nodes if _stage_compute(n) is not None}
     if not stages:
         return None
@@ -96,7 +107,6 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
     sends = {
         n.id: n for n in plan.nodes if isinstance(n.detail, Transfer) and n.detail.axis == axis
     }
-    link_s = _link_seconds(groups, axis)
     preds: dict[str, list[str]] = defaultdict(list)
     for before, after in plan.edges:
         if before in stages or before in sends:
@@ -131,7 +141,8 @@ def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction 
         node = waiting.pop(node_id)
         detail = _stage_compute(node)
         assert detail is not None and detail.rank is not None and detail.seconds is not None
-        rank, seconds = detail.rank, detail.seconds
+        rank = detail.rank
+        seconds = stage_s(node) if stage_s is not None else detail.seconds
         if schedule in WEIGHT_SPLIT:
             filled = min(deferred[rank], start - free[rank])
             deferred[rank] -= filled

@@ -14,6 +14,8 @@ verification (``"verify"``), and the runner reports it. Nothing here ends the pr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 StopAt = Literal["plan", "verify"]
 
 _STOP: StopAt | None = None
+#: Inside :func:`planning_only`: plans are built without their setup collectives.
+_PLANNING_ONLY: list[bool] = []
 
 
 class StopBeforeFirstCollective(BaseException):
@@ -48,6 +52,23 @@ def request_stop(at: StopAt | None) -> None:
     if at not in (None, "plan", "verify"):
         raise ValueError(f"request_stop takes 'plan', 'verify' or None, got {at!r}")
     _STOP = at
+
+
+@contextmanager
+def planning_only() -> Iterator[None]:
+    """Strategies distributed inside the block plan and build without a collective of
+    their own: no pre-flight check and no setup broadcast (the model's values are not
+    made alike). What ``"auto"`` plans each candidate on a copy of the model with."""
+    _PLANNING_ONLY.append(True)
+    try:
+        yield
+    finally:
+        _PLANNING_ONLY.pop()
+
+
+def is_planning_only() -> bool:
+    """Whether a :func:`planning_only` block is open."""
+    return bool(_PLANNING_ONLY)
 
 
 def before_first_collective(

@@ -36,7 +36,7 @@ from lamina.strategies.contract import (
     Strategy,
     StrategyOptions,
 )
-from lamina.strategies.preflight import before_first_collective, verify_plan
+from lamina.strategies.preflight import before_first_collective, is_planning_only, verify_plan
 from lamina.strategies.surface import PLACEMENT_KEY, place_model, role_default
 from lamina.verify import PreflightReport
 
@@ -121,6 +121,8 @@ def set_up(
         held = dict(planned.plan.meta)
         meta = tuple(sorted((*planned.plan.meta, *(i for i in _EXTRA_META if i[0] not in held))))
         planned = replace(planned, plan=replace(planned.plan, meta=meta))
+    if is_planning_only():  # "auto" pricing a candidate: the plan, nothing sent
+        return replace(planned, run_log=RunLog(planned.plan))
     report = before_first_collective(session, planned, planned.module, verify=verify, group=group)
     log = RunLog(planned.plan)
     setup = planned.broadcast

@@ -611,6 +611,7 @@ def _assemble(
             regions.append(_region(facts, recorded.calls, model))
             shared += [m for m in facts.shared if m not in shared]
             written += [w for w in facts.written if w not in written]
+    regions = _own_modules(regions, replicated)
     embeddings = [
         VocabLayer(name, tuple(out.shape), dtype_name(out.dtype))
         for name, out in deriver.embeddings.items()
@@ -628,6 +629,26 @@ def _assemble(
     if not sequence_parallel:
         return plan
     return _with_sequence(plan, recorded, model)
+
+
+def _own_modules(regions: list[Region], replicated: list[tuple[str, str]]) -> list[Region]:
+    """The regions each held by a module of its own: two whose innermost common module
+    is the same (column and row linears of two pairs under one container) cannot have
+    that module's input gathered and its gradient summed for each, so their linears stay
+    replicated, the reason saying how to split them."""
+    holders = [r.module for r in regions]
+    kept = []
+    for region in regions:
+        if holders.count(region.module) == 1:
+            kept.append(region)
+            continue
+        where = region.module or "the model itself"
+        why = (
+            f"another split region is held by the same module ({where}); put each "
+            "column/row pair in a module of its own"
+        )
+        replicated += [(name, why) for name in region.linears()]
+    return kept
 
 
 def _region(facts: _RegionFacts, calls: list[ModuleCall], model: nn.Module) -> Region:
