@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lamina.auto.candidates import PIPELINE_SCHEDULE, Candidate, candidates_for
@@ -332,7 +333,8 @@ def price_candidate(
     """``candidate``'s step on this job: its plan (:func:`lamina.auto.plans.plan_candidate`,
     no collective of the step issued) priced node by node
     (:func:`lamina.simulate.step.price_step`) from the profile and the fits, with the
-    interval the measured spread gives (the compute at its quartiles)."""
+    interval the measured spread gives (the compute at its quartiles); the slowest
+    rank's step (a pipeline's stages hold different plans), alike on every rank."""
     inputs = opts.example_inputs
     assert inputs is not None
     planned = plan_candidate(
@@ -349,7 +351,18 @@ def price_candidate(
         price_step(planned.plan, replace(prices, compute_scale=end), planned.pipeline).step_s
         for end in profile.spread
     )
-    return replace(priced, interval_s=(min(low, priced.step_s), max(high, priced.step_s)))
+    # ranks of different stages hold different plans: the step is the slowest rank's
+    step, low, high = _slowest_rank(runtime, [priced.step_s, low, high])
+    return replace(priced, step_s=step, interval_s=(min(low, step), max(high, step)))
+
+
+def _slowest_rank(runtime: Runtime, seconds: list[float]) -> list[float]:
+    """``seconds`` as the slowest rank predicted each (collective: every rank)."""
+    if runtime.world_size < 2:
+        return seconds
+    tensor = torch.tensor(seconds, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
 
 
 def _groups(candidates: list[Candidate]) -> set[tuple[str, ...]]:
