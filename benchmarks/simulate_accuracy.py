@@ -7,7 +7,9 @@ turn; each a fresh decision and fresh measurements).
 For each setting, model and candidate: the prediction of each repeat beside the measured
 median over the repeats and their range. A prediction counts as close when it is within
 15% of that median, or, where the range is itself wider than 15% of the median, inside
-the range. Also each repeat's ``auto`` choice against the best candidate measured in it.
+the range. Also each repeat's ``auto`` choice against the best candidate measured in it:
+the chosen candidate distributed by hand (``chosen/best``) and ``"auto"``'s own model
+(``auto/best``; the same strategy, so the two differ by the machine's noise only).
 Needs root for the emulated settings::
 
     python benchmarks/simulate_accuracy.py                 # -> results/simulate_accuracy.json
@@ -69,6 +71,13 @@ def main() -> None:
             "close_share": len(close) / len(rows) if rows else None,
             "rows": rows,
             "auto_choices": choices,
+            "runs": {
+                setting: [
+                    [{k: v for k, v in m.items() if k != "profile"} for m in run["models"]]
+                    for run in repeats
+                ]
+                for setting, repeats in runs.items()
+            },
         },
     )
 
@@ -96,6 +105,7 @@ def summarize(
                         "auto": m["auto_choice"],
                         "best": m["best_measured"],
                         "auto_over_best": m["auto_over_best"],
+                        "chosen_over_best": m["chosen_candidate_over_best"],
                     }
                 )
                 for c in m["candidates"]:
@@ -142,10 +152,11 @@ def print_table(rows: list[dict[str, Any]], choices: list[dict[str, Any]]) -> No
         close = sum(r["close"] for r in rows) / len(rows)
         print(f"\n{len(rows)} predictions: {within:.0%} within {WITHIN:.0%} of the measured "
               f"median; {close:.0%} within it or inside a range wider than that")  # fmt: skip
-    print(f"\n{'setting':18}{'model':6}{'repeat':>7}  {'auto':28}{'best':28}{'auto/best':>10}")
+    print(f"\n{'setting':18}{'model':6}{'repeat':>7}  {'auto':28}{'best':28}"
+          f"{'chosen/best':>12}{'auto/best':>10}")  # fmt: skip
     for c in choices:
         print(f"{c['setting']:18}{c['model']:6}{c['repeat']:>7}  {c['auto']:28}{c['best']:28}"
-              f"{c['auto_over_best']:10.3f}")  # fmt: skip
+              f"{c['chosen_over_best']:12.3f}{c['auto_over_best']:10.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
