@@ -13,10 +13,10 @@ from torch import nn
 from lamina.errors import ConfigError
 from lamina.session import Runtime, current, init
 from lamina.strategies.compiled.step import StepJob, StepOptions, TrainingStep
-from lamina.strategies.compose import distribute_composed
+from lamina.strategies.compose import distribute_named
 from lamina.strategies.contract import Placement
 from lamina.strategies.registry import get_strategy
-from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, distribute_with, extra_plan_meta
+from lamina.strategies.wrap_pipeline import DISTRIBUTED_WITH, extra_plan_meta
 
 if TYPE_CHECKING:
     from lamina.auto.choose import Distribution
@@ -103,20 +103,9 @@ def _distribute_named(
     options: Mapping[str, Any],
 ) -> nn.Module:
     """``model`` distributed with the strategies named (one, or a composition): what
-    :func:`distribute` runs for strategies given by hand and for ``"auto"``'s choice."""
-    if not isinstance(strategy, str):
-        given = placement if isinstance(placement, Mapping) else None
-        return distribute_composed(model, list(strategy), runtime, given, options)
-    if isinstance(placement, Mapping):
-        raise ConfigError(
-            "placement= maps strategy names to axes only when strategies compose; pass a "
-            "Placement for one strategy"
-        )
-    chosen = get_strategy(strategy, runtime.plugins)
-    settings = chosen.options.from_kwargs(chosen.name, options)
-    where = placement if placement is not None else chosen.default_placement(runtime.mesh)
-    where.check(runtime.mesh, chosen.name)
-    return distribute_with(chosen, model, runtime, where, settings)
+    :func:`distribute` runs for strategies given by hand and for ``"auto"``'s choice
+    (:func:`lamina.strategies.compose.distribute_named`)."""
+    return distribute_named(model, strategy, runtime, placement, options)
 
 
 def _distribute_auto(

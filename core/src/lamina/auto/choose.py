@@ -337,8 +337,11 @@ def price_candidate(
     rank's step (a pipeline's stages hold different plans), alike on every rank."""
     inputs = opts.example_inputs
     assert inputs is not None
+    given = distribution_for(
+        candidate, inputs, opts.example_kwargs, verify=False, global_rows=global_rows
+    )
     planned = plan_candidate(
-        model, candidate, runtime, inputs, opts.example_kwargs, global_rows=global_rows
+        model, candidate, given, runtime, inputs, opts.example_kwargs, global_rows=global_rows
     )
     prices = PlanPrices(
         profile.at_rows(global_rows / runtime.world_size),

@@ -26,9 +26,11 @@ from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.runtime import ExecutionPlan
 from lamina.runtime.nodes import Compute
+from lamina.strategies.compose import distribute_named
 from lamina.strategies.preflight import planning_only
 
 if TYPE_CHECKING:
+    from lamina.auto.choose import Distribution
     from lamina.session import Runtime
 
 
@@ -61,26 +63,21 @@ def _on_a_stage(detail: object) -> bool:
 def plan_candidate(
     model: nn.Module,
     candidate: Candidate,
+    given: Distribution,
     runtime: Runtime,
     example_inputs: tuple[Any, ...],
     example_kwargs: dict[str, Any] | None = None,
     *,
     global_rows: int | None = None,
 ) -> CandidatePlan:
-    """The execution plan ``candidate`` runs ``model`` with on ``runtime``'s mesh (every
-    rank calls it at once, for the same candidates in the same order: the held
-    parameters are the largest over the ranks); a ConfigError naming the candidate when
-    its strategies refuse the model."""
-    from lamina.api import _distribute_named
-    from lamina.auto.choose import distribution_for
-
-    given = distribution_for(
-        candidate, example_inputs, example_kwargs, verify=False, global_rows=global_rows
-    )
+    """The execution plan ``candidate`` runs ``model`` with on ``runtime``'s mesh, its
+    strategies applied as ``given`` says (every rank calls it at once, for the same
+    candidates in the same order: the held parameters are the largest over the ranks);
+    a ConfigError naming the candidate when its strategies refuse the model."""
     with preserved(model), planning_only():
         replica = copy.deepcopy(model)
         try:
-            built = _distribute_named(
+            built = distribute_named(
                 replica, given.strategy, runtime, given.placement, given.options
             )
             plan: ExecutionPlan | None = getattr(built, "execution_plan", None)

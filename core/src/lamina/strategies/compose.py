@@ -324,3 +324,29 @@ def _placements(
             "once; give each axis to one strategy"
         )
     return where
+
+
+def distribute_named(
+    model: nn.Module,
+    strategy: str | Sequence[str],
+    runtime: Runtime,
+    placement: Placement | Mapping[str, Placement] | None,
+    options: Mapping[str, Any],
+) -> nn.Module:
+    """``model`` distributed with the strategies named: one (on ``placement``, default
+    its own) or a composition (``placement`` mapping names to axes). What
+    ``lamina.distribute`` runs for strategies given by hand and for ``"auto"``'s choice,
+    and what ``"auto"`` plans each candidate with."""
+    if not isinstance(strategy, str):
+        given = placement if isinstance(placement, Mapping) else None
+        return distribute_composed(model, list(strategy), runtime, given, options)
+    if isinstance(placement, Mapping):
+        raise ConfigError(
+            "placement= maps strategy names to axes only when strategies compose; pass a "
+            "Placement for one strategy"
+        )
+    chosen = get_strategy(strategy, runtime.plugins)
+    settings = chosen.options.from_kwargs(chosen.name, options)
+    where = placement if placement is not None else chosen.default_placement(runtime.mesh)
+    where.check(runtime.mesh, chosen.name)
+    return distribute_with(chosen, model, runtime, where, settings)
