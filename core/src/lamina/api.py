@@ -92,19 +92,6 @@ def distribute(
                 "strategy to place it by hand)"
             )
         return _distribute_auto(model, runtime, strategy, options, requested)
-    return _distribute_named(model, strategy, runtime, placement, options)
-
-
-def _distribute_named(
-    model: nn.Module,
-    strategy: str | Sequence[str],
-    runtime: Runtime,
-    placement: Placement | Mapping[str, Placement] | None,
-    options: Mapping[str, Any],
-) -> nn.Module:
-    """``model`` distributed with the strategies named (one, or a composition): what
-    :func:`distribute` runs for strategies given by hand and for ``"auto"``'s choice
-    (:func:`lamina.strategies.compose.distribute_named`)."""
     return distribute_named(model, strategy, runtime, placement, options)
 
 
@@ -142,7 +129,7 @@ def apply_distribution(
     as strategies given by hand; every plan it sets up carries ``distribution.meta``."""
     runtime = runtime or current() or init()
     with extra_plan_meta(distribution.meta):
-        return _distribute_named(
+        return distribute_named(
             model, distribution.strategy, runtime, distribution.placement, distribution.options
         )
 

@@ -140,9 +140,10 @@ def price_step(
             )
         )
     staged = pipeline if pipeline is not None else plan
+    found = _Priced(priced, streamed, blocking)
     if any(_is_stage(n) for n in staged.nodes):
-        return _pipelined(plan, staged, nodes, prices, priced, streamed, blocking)
-    return _scheduled(plan, nodes, prices, priced, streamed, blocking)
+        return _pipelined(staged, nodes, prices, found)
+    return _scheduled(plan, nodes, prices, found)
 
 
 def _blocks_compute(node: PlanNode) -> bool:
@@ -158,15 +159,21 @@ def _is_stage(node: PlanNode) -> bool:
     return isinstance(detail, Compute) and detail.rank is not None and detail.stage is not None
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """The step's collectives as priced: every one, those on the communication stream
+    (seconds by node) and those holding the compute up (seconds by phase)."""
+
+    every: list[PricedCollective]
+    streamed: dict[str, float]
+    blocking: dict[str, float]
+
+
 def _scheduled(
-    plan: ExecutionPlan,
-    nodes: list[PlanNode],
-    prices: NodePrices,
-    priced: list[PricedCollective],
-    streamed: dict[str, float],
-    blocking: dict[str, float],
+    plan: ExecutionPlan, nodes: list[PlanNode], prices: NodePrices, found: _Priced
 ) -> PricedStep:
     """The step of a plan without a pipeline, simulated on its two streams."""
+    priced, streamed, blocking = found.every, found.streamed, found.blocking
     ids = {n.id for n in nodes}
     by_id = {n.id: n for n in nodes}
     preds: dict[str, list[str]] = defaultdict(list)
@@ -280,16 +287,11 @@ def _ready(
 
 
 def _pipelined(
-    plan: ExecutionPlan,
-    staged: ExecutionPlan,
-    nodes: list[PlanNode],
-    prices: NodePrices,
-    priced: list[PricedCollective],
-    streamed: dict[str, float],
-    blocking: dict[str, float],
+    staged: ExecutionPlan, nodes: list[PlanNode], prices: NodePrices, found: _Priced
 ) -> PricedStep:
     """A pipelined step: its stages' gathers, the schedule, then the gradient collectives
     and the optimizer, one after the other."""
+    priced, streamed, blocking = found.every, found.streamed, found.blocking
     axis = pipeline_axis(staged)
 
     def link_s(nbytes: int) -> float:
