@@ -88,6 +88,8 @@ class PipelinePrediction:
 def predict_pipeline(plan: ExecutionPlan, groups: Groups) -> PipelinePrediction | None:
     """The simulated schedule of ``plan`` on the declared cluster's links (see the
     module); None for a plan without pipeline stages."""
+    if not any(_stage_compute(n) is not None for n in plan.nodes):
+        return None
     return schedule_pipeline(plan, _link_seconds(groups, pipeline_axis(plan)))
 
 
