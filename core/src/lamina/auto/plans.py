@@ -25,7 +25,7 @@ from lamina.auto.measure import batch_rows, rows_of
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.runtime import ExecutionPlan
-from lamina.runtime.nodes import Compute
+from lamina.simulate.step import is_stage
 from lamina.strategies.compose import distribute_named
 from lamina.strategies.preflight import planning_only
 
@@ -51,13 +51,9 @@ class CandidatePlan:
     def pipeline(self) -> ExecutionPlan | None:
         """The plan holding the pipeline's stages (None: not pipelined)."""
         for plan in (self.plan, *self.parts):
-            if any(n.kind == "forward" and _on_a_stage(n.detail) for n in plan.nodes):
+            if any(is_stage(n) for n in plan.nodes):
                 return plan
         return None
-
-
-def _on_a_stage(detail: object) -> bool:
-    return isinstance(detail, Compute) and detail.stage is not None and detail.rank is not None
 
 
 def plan_candidate(

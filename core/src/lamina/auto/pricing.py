@@ -23,6 +23,7 @@ measured, for :func:`lamina.simulate.step.price_step` to simulate the step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lamina.auto.comm import CommCosts
 from lamina.auto.measure import ModelProfile
@@ -86,16 +87,17 @@ class PlanPrices:
         if first in names:
             stop = names.index(last) if last in names else names.index(first)
             return sum(costs.blocks[names.index(first) : stop + 1]) / total
-        rests = [u for u in self._unit_names() if u.partition("..")[0] not in names]
+        rests = [u for u in self._unit_names if u.partition("..")[0] not in names]
         return costs.rest / total / max(1, len(rests))
 
+    @cached_property
     def _unit_names(self) -> list[str]:
         return sorted(
             {n.detail.unit for n in self.planned.plan.nodes if isinstance(n.detail, Compute)} - {""}
         )
 
     def _units(self) -> int:
-        return len(self._unit_names())
+        return len(self._unit_names)
 
     def collective(self, node: PlanNode, op: str) -> float:
         """A collective or gather node's seconds on its group."""

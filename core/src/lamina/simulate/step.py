@@ -141,7 +141,7 @@ def price_step(
         )
     staged = pipeline if pipeline is not None else plan
     found = _Priced(priced, streamed, blocking)
-    if any(_is_stage(n) for n in staged.nodes):
+    if any(is_stage(n) for n in staged.nodes):
         return _pipelined(staged, nodes, prices, found)
     return _scheduled(plan, nodes, prices, found)
 
@@ -154,7 +154,8 @@ def _blocks_compute(node: PlanNode) -> bool:
     return facts.purpose not in STREAMED_PURPOSES
 
 
-def _is_stage(node: PlanNode) -> bool:
+def is_stage(node: PlanNode) -> bool:
+    """Whether ``node`` is a pipeline stage's compute (a stage run by a pipeline rank)."""
     detail = node.detail
     return isinstance(detail, Compute) and detail.rank is not None and detail.stage is not None
 
@@ -308,7 +309,8 @@ def _pipelined(
             priced.append(
                 PricedCollective(node.id, "send", axis, detail.nbytes, link_s(detail.nbytes), True)
             )
-    gathers = sum(s for i, s in streamed.items() if _kind(nodes, i) == "gather")
+    kinds = {n.id: n.kind for n in nodes}
+    gathers = sum(s for i, s in streamed.items() if kinds[i] == "gather")
     after = sum(streamed.values()) - gathers + sum(blocking.values())
     optimizer = sum(prices.compute(n) for n in nodes if n.kind == "optimizer")
     step = gathers + schedule.schedule_s + after + optimizer
@@ -327,14 +329,11 @@ def _pipelined(
     )
 
 
-def _kind(nodes: list[PlanNode], node_id: str) -> str:
-    return next((n.kind for n in nodes if n.id == node_id), "")
-
-
 __all__ = [
     "STREAMED_PURPOSES",
     "NodePrices",
     "PricedCollective",
     "PricedStep",
+    "is_stage",
     "price_step",
 ]
