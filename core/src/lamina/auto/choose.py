@@ -273,13 +273,19 @@ def rank_for(
     )
     timed: list[MeasuredComm] = []
 
+    params = list(model.parameters())
+
     def step() -> None:  # the model's forward + backward, as the overlap's compute
         backward_of(model(*inputs, **(opts.example_kwargs or {})))
 
     def calibrate() -> None:
         if cluster is None:
             with preserved(model):
-                timed.append(MeasuredComm.calibrate(runtime, _groups(candidates), compute=step))
+                timed.append(
+                    MeasuredComm.calibrate(
+                        runtime, _groups(candidates), compute=step, parameters=params
+                    )
+                )
                 model.zero_grad(set_to_none=True)
 
     profile = profile_model(

@@ -4,12 +4,15 @@ Two sources, one interface (``seconds(op, axes, nbytes)``; ``op`` one of :data:`
 ``axes`` the mesh axes of the group, ``nbytes`` the whole buffer: the tensor an
 all-reduce sums, the unit an all-gather fills, the message a pipeline sends):
 
-- :class:`MeasuredComm` (a running job): every op timed on the job's own groups, at two
-  sizes, every group of those axes at once (as in a step), the slowest rank's median;
-  a straight line through the two points gives the op's latency and seconds per byte on
-  that group (an alpha-beta fit per op and group). The gathers and reduce-scatters run
-  in the form the sharded engines use on this backend
-  (:func:`lamina.runtime.primitives.choose_primitive`); a whole-job all-reduce on
+- :class:`MeasuredComm` (a running job): every op timed on the job's own groups, at
+  :data:`FIT_SIZES` (and a larger size where that is quick), every group of those axes
+  at once (as in a step), the slowest rank's mean; straight lines through consecutive
+  points give the op's latency and seconds per byte on that group (an alpha-beta fit
+  per op and group, piecewise). The gathers and reduce-scatters run in the form the
+  sharded engines use on this backend
+  (:func:`lamina.runtime.primitives.choose_primitive`), with the data movement around
+  them that the engines do (a fresh buffer, the copy into the unsharded layout, the
+  gradients copied into the reduce-scatter's input); a whole-job all-reduce on
   several hosts also times the hierarchical algorithm and costs the faster one, as
   ``dp``'s cost model picks per bucket;
 - :class:`ClusterComm` (a declared cluster, ``lamina plan --simulate``): the formulas of
@@ -21,7 +24,8 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,22 +39,33 @@ if TYPE_CHECKING:
     from lamina.session import Runtime
     from lamina.simulate.cluster import Cluster
 
-#: ``(nbytes, runs) -> seconds`` of one op on one group.
-Timer = Callable[[int, int], float]
+#: ``nbytes -> run``: one call of an op on one group moving ``nbytes`` (its buffers
+#: made once, outside the call).
+Timer = Callable[[int], Callable[[], object]]
 #: The ops a candidate's step issues.
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
-#: Buffer sizes (bytes) each op is timed at.
-FIT_SIZES: tuple[int, int] = (256 << 10, 4 << 20)
+#: Buffer sizes (bytes) each op is timed at: a small one (what a tiny collective costs
+#: is timed, not extrapolated: tensor parallelism issues many), then two to fit bytes by.
+FIT_SIZES: tuple[int, ...] = (16 << 10, 256 << 10, 4 << 20)
 #: A larger size each op is also timed at where the first two predict it takes at most
 #: :data:`LARGE_FIT_BUDGET_S` on every rank (large buffers miss the caches: a fit through
 #: small ones prices them too cheap; on slow links it would take too long to time).
 LARGE_FIT_SIZE = 24 << 20
 LARGE_FIT_BUDGET_S = 0.15
-#: Timed calls per size (after a warm-up), of which the median counts.
-FIT_RUNS = 3
+#: Timed calls per size (after a warm-up; the sizes interleaved, so that a slow spell of
+#: a shared machine hits them alike), of which the mean counts: a step issues many
+#: collectives and pays their mean (on a shared machine a few take several times the
+#: median), where one measured step's compute is priced by its median.
+FIT_RUNS = 5
+#: More timed calls, up to :data:`FIT_MAX_RUNS`, where they take at most this (seconds):
+#: small buffers are quick, and their mean the noisiest.
+FIT_BUDGET_S = 0.25
+FIT_MAX_RUNS = 25
 #: Times the overlap share is measured (compute, collective, both; interleaved), of
 #: which the median counts: one measurement swings from none to all on a shared machine.
 OVERLAP_ROUNDS = 5
+#: Pieces the overlap's all-reduce is cut into when issued as gradients land.
+OVERLAP_BUCKETS = 8
 #: Rounds of compute and a blocking collective :func:`measure_skew` times.
 SKEW_ROUNDS = 16
 
@@ -168,13 +183,15 @@ class MeasuredComm:
         cls,
         runtime: Runtime,
         groups: Iterable[tuple[str, ...]],
-        sizes: tuple[int, int] = FIT_SIZES,
+        sizes: tuple[int, ...] = FIT_SIZES,
         runs: int = FIT_RUNS,
         compute: Callable[[], None] | None = None,
+        parameters: Sequence[torch.Tensor] = (),
     ) -> MeasuredComm:
         """Time every op on the group of each axes tuple of ``groups`` (collective: every
         rank calls it with the same groups), and the overlap share against ``compute``
-        (the model's forward + backward; default: matrix products)."""
+        (the model's forward + backward, reaching ``parameters``; default: matrix
+        products)."""
         from lamina.comm.layout import HostLayout
 
         mesh = runtime.mesh
@@ -191,19 +208,23 @@ class MeasuredComm:
                 layout = HostLayout.of(runtime.topology)
                 if layout.host_count > 1 and layout.per_host > 1:
                     timers["all_reduce:hierarchical"] = _hierarchical(runtime, layout)
+            sync = runtime.handle.synchronize
             for op, timer in timers.items():
-                timed = _slowest([timer(nbytes, runs) for nbytes in sizes], runtime.device)
-                line = Fit.through(*zip(sizes, timed, strict=True))
+                timed = _interleaved_means([timer(n) for n in sizes], runs, sync, runtime.device)
+                timed = _slowest(timed, runtime.device)
                 op_points = [(float(n), t) for n, t in zip(sizes, timed, strict=True)]
+                line = Fit.through(*op_points[-2:])
                 if line.seconds(LARGE_FIT_SIZE) <= LARGE_FIT_BUDGET_S:  # agreed: slowest
-                    large = _slowest([timer(LARGE_FIT_SIZE, runs)], runtime.device)[0]
-                    op_points.append((float(LARGE_FIT_SIZE), large))
+                    large = _interleaved_means([timer(LARGE_FIT_SIZE)], runs, sync, runtime.device)
+                    op_points.append((float(LARGE_FIT_SIZE), _slowest(large, runtime.device)[0]))
                 points.append((op, axes, op_points))
         fits = {(op, axes): Fit.through_all(found) for op, axes, found in points}
         whole = tuple(mesh.axis_names)
         overlap, skew = 1.0, 0.0
         if runtime.world_size > 1:
-            overlap = measure_overlap(runtime, fits.get(("all_reduce", whole)), runs, compute)
+            overlap = measure_overlap(
+                runtime, fits.get(("all_reduce", whole)), runs, compute, parameters
+            )
             skew = measure_skew(runtime, runs)
         return cls(fits, group_sizes, overlap, skew)
 
@@ -213,15 +234,20 @@ def measure_overlap(
     fit: Fit | None,
     runs: int = FIT_RUNS,
     compute: Callable[[], None] | None = None,
+    parameters: Sequence[torch.Tensor] = (),
 ) -> float:
     """The share of a collective's time the device hides behind compute: ``compute``
     (the model's forward + backward: its autograd holds the interpreter as a real step
-    does; default: matrix products) timed alone, an all-reduce over the job about as
-    long (sized by its ``fit``) timed alone, then both at once (the collective issued
-    asynchronously first): ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``,
-    the median of :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in
-    [0, 1]. Accelerators with a communication stream hide nearly all
-    of it; CPU ranks sharing their cores with the collective's threads hide little."""
+    does; default: matrix products) timed alone, all-reduces over the job about as long
+    together (sized by its ``fit``) timed alone, then both at once:
+    ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``, the median of
+    :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in [-1, 1].
+    With ``parameters`` (the model's, that ``compute``'s backward reaches) the
+    all-reduces are :data:`OVERLAP_BUCKETS` pieces, each issued as backward has produced
+    its share of the gradients, as data parallelism issues its buckets; otherwise one,
+    issued first. Accelerators with a communication stream hide nearly all of it; CPU
+    ranks sharing their cores with the collective's threads hide little, or less than
+    nothing: below 0, running both at once costs more than one after the other."""
     device, sync = runtime.device, runtime.handle.synchronize
     if compute is None:
         a = torch.randn(256, 256, device=device)
@@ -236,23 +262,67 @@ def measure_overlap(
     nbytes = 4 << 20
     if fit is not None and fit.beta > 0:  # as long as the compute: the ratio is steadiest
         nbytes = int(min(64 << 20, max(64 << 10, (alone - fit.alpha) / fit.beta)))
-    buf = torch.zeros(max(1, nbytes // 4), device=device)
-    comm = _median_seconds(lambda: dist.all_reduce(buf), runs, sync)
+    trainable = [p for p in parameters if p.requires_grad]
+    pieces = OVERLAP_BUCKETS if trainable else 1
+    bufs = [torch.zeros(max(1, nbytes // 4 // pieces), device=device) for _ in range(pieces)]
+
+    def collectives() -> None:
+        for buf in bufs:
+            dist.all_reduce(buf)
 
     def both() -> None:
-        work = dist.all_reduce(buf, async_op=True)
-        work_load()
-        assert work is not None
-        work.wait()
+        works: list[dist.Work] = []
+        if not trainable:
+            work = dist.all_reduce(bufs[0], async_op=True)
+            assert work is not None
+            works.append(work)
+            work_load()
+        else:
+            with _issued_as_gradients_land(trainable, bufs, works):
+                work_load()
+            while len(works) < len(bufs):  # a parameter backward did not reach
+                work = dist.all_reduce(bufs[len(works)], async_op=True)
+                assert work is not None
+                works.append(work)
+        for work in works:
+            work.wait()
 
+    comm = _median_seconds(collectives, runs, sync)
     together = _median_seconds(both, runs, sync)
     shares = [(comm + alone - together) / max(min(comm, alone), 1e-9)]
     for _ in range(OVERLAP_ROUNDS - 1):  # interleaved: a slow spell hits all three alike
-        apart = [_seconds(work_load, sync), _seconds(lambda: dist.all_reduce(buf), sync)]
+        apart = [_seconds(work_load, sync), _seconds(collectives, sync)]
         joint = _seconds(both, sync)
         shares.append((sum(apart) - joint) / max(min(apart), 1e-9))
     hidden = statistics.median(shares)
-    return _mean_over_ranks(min(1.0, max(0.0, hidden)), device)
+    return _mean_over_ranks(min(1.0, max(-1.0, hidden)), device)
+
+
+@contextmanager
+def _issued_as_gradients_land(
+    parameters: list[torch.Tensor], bufs: list[torch.Tensor], works: list[dist.Work]
+) -> Iterator[None]:
+    """While inside, each of ``bufs`` is all-reduced (asynchronously, into ``works``)
+    once backward has accumulated its share of the gradients of ``parameters``."""
+    total = sum(p.numel() for p in parameters)
+    landed = [0]
+
+    def landed_one(param: torch.Tensor) -> None:
+        landed[0] += param.numel()
+        while len(works) < len(bufs) and landed[0] * len(bufs) >= total * (len(works) + 1):
+            work = dist.all_reduce(bufs[len(works)], async_op=True)
+            assert work is not None
+            works.append(work)
+
+    handles = [
+        p.register_post_accumulate_grad_hook(landed_one)  # type: ignore[no-untyped-call]
+        for p in parameters
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _seconds(run: Callable[[], object], sync: Callable[[], None]) -> float:
@@ -319,14 +389,38 @@ def _median_seconds(run: Callable[[], object], runs: int, sync: Callable[[], Non
     return statistics.median(times)
 
 
+def _interleaved_means(
+    runs: list[Callable[[], object]], rounds: int, sync: Callable[[], None], device: torch.device
+) -> list[float]:
+    """The mean seconds of each of ``runs`` (collective: every rank the same list),
+    each warmed up once, then timed in turn: ``rounds`` times, or more, up to
+    :data:`FIT_MAX_RUNS`, where the warm-up says they fit in :data:`FIT_BUDGET_S` (the
+    slowest rank's warm-up decides, so every rank issues the same calls)."""
+    start = time.perf_counter()
+    for run in runs:
+        run()
+        sync()
+    warm = _slowest([time.perf_counter() - start], device)[0]
+    rounds = max(rounds, min(FIT_MAX_RUNS, int(FIT_BUDGET_S / max(warm, 1e-6))))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, timed in zip(runs, times, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            sync()
+            timed.append(time.perf_counter() - start)
+    return [statistics.fmean(t) for t in times]
+
+
 def _op_timers(
     runtime: Runtime, group: dist.ProcessGroup | None, ranks: tuple[int, ...]
 ) -> dict[str, Timer]:
-    """A timer ``(nbytes, runs) -> seconds`` per op over ``group``."""
+    """A :data:`Timer` per op over ``group``."""
     from lamina.memory.gather import gather_full, reduce_scatter_start
     from lamina.runtime.primitives import choose_primitive
 
-    device, sync = runtime.device, runtime.handle.synchronize
+    device = runtime.device
     size = len(ranks)
     me = ranks.index(runtime.rank)
     pg_backend = runtime.backend.collective_backend
@@ -341,31 +435,40 @@ def _op_timers(
     def numel(nbytes: int) -> int:
         return max(size, nbytes // 4 // size * size)
 
-    def all_reduce(nbytes: int, runs: int) -> float:
+    def all_reduce(nbytes: int) -> Callable[[], object]:
         buf = torch.zeros(numel(nbytes), device=device)
-        return _median_seconds(lambda: dist.all_reduce(buf, group=group), runs, sync)
+        return lambda: dist.all_reduce(buf, group=group)
 
-    def all_gather(nbytes: int, runs: int) -> float:
-        full = torch.zeros(numel(nbytes), device=device)
-        shard = torch.zeros(full.numel() // size, device=device)
-        return _median_seconds(
-            lambda: gather_full(shard, full, me, gather_form, group),  # type: ignore[arg-type]
-            runs,
-            sync,
-        )
-
-    def reduce_scatter(nbytes: int, runs: int) -> float:
-        buf = torch.zeros(numel(nbytes), device=device)
+    def all_gather(nbytes: int) -> Callable[[], object]:
+        # as a ZeRO-3 unit's gather runs: a fresh buffer, the gather, and (but for the
+        # all-reduce form, which gathers in place) the copy into the unsharded layout
+        numel_ = numel(nbytes)
+        shard = torch.zeros(numel_ // size, device=device)
 
         def run() -> None:
+            full = torch.empty(numel_, device=device)
+            work = gather_full(shard, full, me, gather_form, group, async_op=True)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait()
+            if gather_form != "all_reduce":
+                torch.empty_like(full).copy_(full)
+
+        return run
+
+    def reduce_scatter(nbytes: int) -> Callable[[], object]:
+        # as a ZeRO-3 unit's reduce-scatter runs: its gradients copied into a fresh input
+        grads = torch.zeros(numel(nbytes), device=device)
+
+        def run() -> None:
+            buf = torch.empty_like(grads).copy_(grads)
             work, finish = reduce_scatter_start(buf, me, size, scatter_form, group)  # type: ignore[arg-type]
             if work is not None:
                 work.wait()
             finish()
 
-        return _median_seconds(run, runs, sync)
+        return run
 
-    def send(nbytes: int, runs: int) -> float:
+    def send(nbytes: int) -> Callable[[], object]:
         buf = torch.zeros(max(1, nbytes // 4), device=device)
         # neighbours along the group exchange one message: 0 -> 1, 2 -> 3, ...
         peer = me + 1 if me % 2 == 0 else me - 1
@@ -378,7 +481,7 @@ def _op_timers(
             else:
                 dist.recv(buf, ranks[peer])
 
-        return _median_seconds(run, runs, sync)
+        return run
 
     return {
         "all_reduce": all_reduce,
@@ -399,12 +502,9 @@ def _hierarchical(runtime: Runtime, layout: HostLayout) -> Timer:
         needed=("hierarchical",),
     )
 
-    def timer(nbytes: int, runs: int) -> float:
+    def timer(nbytes: int) -> Callable[[], object]:
         buf = torch.zeros(max(layout.size, nbytes // 4), device=runtime.device)
-        seconds = _median_seconds(
-            lambda: groups.all_reduce("hierarchical", buf).wait(), runs, runtime.handle.synchronize
-        )
-        return seconds
+        return lambda: groups.all_reduce("hierarchical", buf).wait()
 
     return timer
 

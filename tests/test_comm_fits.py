@@ -1,0 +1,70 @@
+"""What ``"auto"`` times of the links (:mod:`lamina.auto.comm`): the fit prices a small
+collective by its timed point, the overlap's all-reduces are issued as backward lands
+the gradients (as data parallelism's buckets are), and timed runs interleave sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lamina.auto.comm import FIT_SIZES, Fit, _interleaved_means, _issued_as_gradients_land
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_small_collective_is_priced_by_its_timed_point_not_the_line_beyond() -> None:
+    small, mid, large = FIT_SIZES
+    # latency-bound below ``mid``: the line through the larger two would give ~0.6 ms
+    fit = Fit.through_all([(small, 1.0e-3), (mid, 1.1e-3), (large, 5.0e-3)])
+    assert fit.seconds(small) == pytest.approx(1.0e-3)
+    assert fit.seconds(large) == pytest.approx(5.0e-3)
+    two_point = Fit.through((mid, 1.1e-3), (large, 5.0e-3))
+    assert two_point.seconds(small) < 0.9e-3
+
+
+def test_the_overlap_pieces_go_out_while_backward_runs(one_rank: None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    params = list(model.parameters())
+    bufs = [torch.ones(8) for _ in range(4)]
+    works: list[dist.Work] = []
+    seen_during_backward: list[int] = []
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda _p: seen_during_backward.append(len(works))
+    )
+    with _issued_as_gradients_land(params, bufs, works):
+        out = model(torch.randn(4, 32)).sum()
+        assert works == []  # nothing before backward
+        out.backward()
+    assert len(works) == len(bufs)
+    # the first layer's gradients land last: by then the earlier pieces were issued
+    assert seen_during_backward and seen_during_backward[0] >= len(bufs) - 1
+    for work in works:
+        work.wait()
+    # the hooks are gone: another backward issues nothing
+    model(torch.randn(4, 32)).sum().backward()
+    assert len(works) == len(bufs)
+
+
+def test_timed_runs_interleave_and_average(one_rank: None) -> None:
+    calls: list[str] = []
+    means = _interleaved_means(
+        [lambda: calls.append("a"), lambda: calls.append("b")], 3, lambda: None, torch.device("cpu")
+    )
+    # a warm-up of each, then the two in turn (at least 3 rounds; quick runs get more)
+    assert calls[:4] == ["a", "b", "a", "b"]
+    assert calls.count("a") == calls.count("b") >= 4
+    assert len(means) == 2 and all(m >= 0 for m in means)
