@@ -64,6 +64,9 @@ FIT_MAX_RUNS = 25
 #: Times the overlap share is measured (compute, collective, both; interleaved), of
 #: which the median counts: one measurement swings from none to all on a shared machine.
 OVERLAP_ROUNDS = 5
+#: The least overlap share: the collectives beside compute cost at most ``1 - this``
+#: times their time alone (ranks sharing cores wait for the scheduler at every hop).
+OVERLAP_FLOOR = -5.0
 #: Pieces the overlap's all-reduce is cut into when issued as gradients land.
 OVERLAP_BUCKETS = 8
 #: Rounds of compute and a blocking collective :func:`measure_skew` times.
@@ -241,7 +244,8 @@ def measure_overlap(
     does; default: matrix products) timed alone, all-reduces over the job about as long
     together (sized by its ``fit``) timed alone, then both at once:
     ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``, the median of
-    :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in [-1, 1].
+    :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in
+    [:data:`OVERLAP_FLOOR`, 1].
     With ``parameters`` (the model's, that ``compute``'s backward reaches) the
     all-reduces are :data:`OVERLAP_BUCKETS` pieces, each issued as backward has produced
     its share of the gradients, as data parallelism issues its buckets; otherwise one,
@@ -295,7 +299,7 @@ def measure_overlap(
         joint = _seconds(both, sync)
         shares.append((sum(apart) - joint) / max(min(apart), 1e-9))
     hidden = statistics.median(shares)
-    return _mean_over_ranks(min(1.0, max(-1.0, hidden)), device)
+    return _mean_over_ranks(min(1.0, max(OVERLAP_FLOOR, hidden)), device)
 
 
 @contextmanager
