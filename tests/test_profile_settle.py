@@ -1,5 +1,5 @@
 """How ``"auto"``'s profile decides a timing has settled (:mod:`lamina.auto.measure`):
-the ranks agree, even where one rank's window held more runs than another's."""
+the ranks agree on every figure, the count of runs each timed included."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from lamina.testing import run_ranks
 def _settle_job() -> list[bool]:
     runtime = lamina.init()
     try:
-        # rank 0 ran up to the cap in its windows, rank 1 (a slower share of the cores)
-        # far fewer, both spread too widely to settle on width or time alone
+        # rank 0 timed up to the cap, rank 1 far fewer, both spread too widely to settle
+        # on width or time alone: the count alone decides, and must for both
         count = SETTLE_MAX_SAMPLES if runtime.rank == 0 else 3
         spread = [0.01 * (1 + i % 2) for i in range(count)]
         agreed = _settled(spread, 0.0, None, True)
@@ -30,5 +30,5 @@ def _settle_job() -> list[bool]:
 @pytest.mark.multiprocess
 def test_every_rank_stops_timing_when_any_rank_reached_the_run_cap() -> None:
     results = run_ranks(_settle_job, 2, timeout=120)
-    # before the count was agreed, rank 0 stopped and rank 1 waited on its next window
+    # a count left unagreed has rank 0 stop and rank 1 wait on a collective forever
     assert results == [[True, False], [True, False]]

@@ -1,12 +1,11 @@
 """What ``"auto"`` measures of the model on the device: :func:`profile_model`.
 
 On one batch (``example_inputs``: one rank's share of the global batch under data
-parallelism), every rank at once (in windows opened together, each rank running back to
-back inside them, and only runs that ended inside the window counted, so each rank is
-timed at the share of a shared device it gets in a training loop):
+parallelism), every rank at once (one barrier, then the runs back to back, so each rank
+is timed at the share of a shared device it gets in a training loop):
 
-- the forward, and the forward + backward, of the whole model: window after window
-  until every rank knows its median to within 5% (or a cap), the spread (quartiles over the
+- the forward, and the forward + backward, of the whole model: ``runs`` at a time until
+  every rank knows its median to within 5% (or a cap), the spread (quartiles over the
   median) kept for the predictions' intervals; where the host's ranks outnumber its
   cores the profile says so (each rank measured its share of them, as in a step);
 - each block's forward + backward on a microbatch, and the rest's (embeddings, head,
@@ -57,9 +56,6 @@ MEDIAN_WITHIN = 0.05
 SETTLE_CAP_S = 6.0
 #: Runs one timing may take before it stops unsettled.
 SETTLE_MAX_SAMPLES = 40
-#: Seconds of the shortest timing window (every rank runs back to back inside it; a
-#: window lasts ``runs + 1`` times the slowest rank's first run, at least this).
-WINDOW_MIN_S = 0.2
 #: Elements of the flat tensor AdamW's step is timed on (at most the model's).
 OPTIMIZER_TIMED_NUMEL = 1 << 22
 
@@ -215,31 +211,19 @@ def profile_model(
             dist.barrier()
 
     def samples(fn: Callable[[], None], settle: bool = False) -> list[float]:
-        # windows every rank spends running ``fn`` back to back, opened together: a run
-        # counts when it ended inside the window, while every other rank still ran, so
-        # each rank is timed at its share of a shared device, as in a training loop (a
-        # rank done early and waiting would hand its core to the others)
+        # one start together, then back to back: the ranks drift apart as they do in a
+        # training loop (a barrier before each run would have the first ranks done wait,
+        # and on gloo poll, while the others still compute)
         together()
-        began = time.perf_counter()
         fn()
-        synchronize()
-        warm = _agreed_max(time.perf_counter() - began, device, distributed)
-        window = max(WINDOW_MIN_S, (runs + 1) * warm)
         times: list[float] = []
         began = time.perf_counter()
         while True:
-            together()
-            opened = time.perf_counter()
-            while True:
+            for _ in range(runs):
                 start = time.perf_counter()
                 fn()
                 synchronize()
-                ended = time.perf_counter()
-                if ended - opened > window:
-                    break
-                times.append(ended - start)
-            if not times:  # a slow spell: no run fit the window; time one alone
-                times.append(ended - start)
+                times.append(time.perf_counter() - start)
             if not settle or _settled(times, time.perf_counter() - began, device, distributed):
                 return times
 
@@ -325,8 +309,8 @@ def _settled(
     """Whether every rank knows its median to within :data:`MEDIAN_WITHIN` (the
     half-width of the median's 95% interval, ``1.58 IQR / sqrt(n)``, over the median),
     or has timed for :data:`SETTLE_CAP_S`, or :data:`SETTLE_MAX_SAMPLES` runs: the ranks
-    agree (the worst rank decides; a window holds more runs on some ranks than on
-    others), so they keep timing together."""
+    agree (the worst rank decides, on each figure: a rank's count of runs too), so they
+    keep timing together."""
     low, high = _quartiles(times)
     median = statistics.median(times)
     width = 1.58 * (high - low) / len(times) ** 0.5
@@ -336,15 +320,6 @@ def _settled(
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         worst = tensor.tolist()
     return worst[0] <= MEDIAN_WITHIN or worst[1] >= SETTLE_CAP_S or worst[2] >= SETTLE_MAX_SAMPLES
-
-
-def _agreed_max(value: float, device: torch.device | None, distributed: bool) -> float:
-    """The largest ``value`` over the ranks (collective when ``distributed``)."""
-    if not distributed:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 def _quartiles(times: list[float]) -> tuple[float, float]:
