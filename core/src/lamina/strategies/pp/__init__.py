@@ -107,9 +107,9 @@ class PipelineStrategy(Strategy):
         self, model: nn.Module, ctx: StrategyContext, placement: Placement, options: StrategyOptions
     ) -> StageTimings:
         """The chain of blocks found from one microbatch's forward, and each block's
-        forward and backward timed on every rank at once (a barrier before each timed
-        run, as every rank computes at once in a step); rank 0's figures, broadcast, so
-        every rank cuts the same stages."""
+        forward and backward timed on every rank at once (a barrier before each block's
+        runs, back to back, as every rank computes at once in a step); the ranks' mean,
+        so every rank cuts the same stages."""
         assert isinstance(options, PipelineOptions)
         args, kwargs = _microbatch(options, options.microbatches, ctx.device)
 
@@ -118,7 +118,7 @@ class PipelineStrategy(Strategy):
 
         chain = find_chain(model, run)
         together = dist.barrier if dist.is_initialized() else lambda: None
-        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together))
+        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together), ctx.device)
         return StageTimings(chain, costs)
 
     def plan(
@@ -287,16 +287,16 @@ def _microbatch(
     return tuple(args), dict(kwargs)
 
 
-def _agreed(costs: BlockCosts) -> BlockCosts:
-    """Rank 0's measured costs on every rank, so that every rank cuts the same stages
-    (one small broadcast; timings differ from rank to rank)."""
+def _agreed(costs: BlockCosts, device: torch.device) -> BlockCosts:
+    """The ranks' mean measured costs on every rank, so that every rank cuts the same
+    stages (one small all-reduce): on a shared device one rank's share swings, and the
+    step waits for each rank in turn."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return costs
-    box: list[Any] = [costs]
-    dist.broadcast_object_list(box, src=0)
-    agreed = box[0]
-    assert isinstance(agreed, BlockCosts)
-    return agreed
+    figures = torch.tensor([*costs.blocks, costs.rest], dtype=torch.float64, device=device)
+    dist.all_reduce(figures)
+    mean = (figures / dist.get_world_size()).tolist()
+    return BlockCosts(tuple(mean[:-1]), mean[-1])
 
 
 def _tied(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:

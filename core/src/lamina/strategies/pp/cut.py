@@ -72,10 +72,10 @@ def measure_costs(
     together: Callable[[], Any] = lambda: None,
 ) -> BlockCosts:
     """Each block's and the rest's forward + backward seconds (median of ``runs``);
-    ``together`` (a barrier across the ranks timing at once) starts every timed run, so
-    that every rank times the same work at the same time, as in a step where every rank
-    computes: on devices the ranks share (CPU cores), each is then timed at the share of
-    the device it gets in a step."""
+    ``together`` (a barrier across the ranks timing at once) starts each block's runs,
+    which follow back to back, so that every rank times the same work at the same time,
+    as in a step where every rank computes: on devices the ranks share (CPU cores), each
+    is then timed at the share of the device it gets in a step."""
     inputs = _block_inputs(model, chain, run)
     blocks = []
     kinds = []
@@ -310,10 +310,13 @@ def backward_of(out: Any) -> None:
 
 
 def _median_seconds(fn: Callable[[], None], runs: int, together: Callable[[], Any]) -> float:
+    # one start together, then back to back: every rank keeps computing through its
+    # runs, as in a step (a barrier before each run lets the ranks done first hand their
+    # share of a shared device to the rest, which then time faster than a step runs)
+    together()
     fn()  # warm-up
     times = []
     for _ in range(runs):
-        together()
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
