@@ -16,7 +16,7 @@ pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,9 +107,9 @@ class PipelineStrategy(Strategy):
         self, model: nn.Module, ctx: StrategyContext, placement: Placement, options: StrategyOptions
     ) -> StageTimings:
         """The chain of blocks found from one microbatch's forward, and each block's
-        forward and backward timed on every rank at once (a barrier before each block's
-        runs, back to back, as every rank computes at once in a step); the ranks' mean,
-        so every rank cuts the same stages."""
+        forward and backward timed on every rank at once (the ranks agree on each block's
+        count of runs, then run them back to back, as every rank computes at once in a
+        step); the ranks' mean, so every rank cuts the same stages."""
         assert isinstance(options, PipelineOptions)
         args, kwargs = _microbatch(options, options.microbatches, ctx.device)
 
@@ -117,8 +117,8 @@ class PipelineStrategy(Strategy):
             return model(*args, **kwargs)
 
         chain = find_chain(model, run)
-        together = dist.barrier if dist.is_initialized() else lambda: None
-        costs = _agreed(measure_costs(model, chain, run, options.timing_runs, together), ctx.device)
+        counted = measure_costs(model, chain, run, options.timing_runs, _largest(ctx.device))
+        costs = _agreed(counted, ctx.device)
         return StageTimings(chain, costs)
 
     def plan(
@@ -285,6 +285,20 @@ def _microbatch(
     args = pytree.tree_map(cut, options.example_inputs or ())
     kwargs = pytree.tree_map(cut, options.example_kwargs or {})
     return tuple(args), dict(kwargs)
+
+
+def _largest(device: torch.device) -> Callable[[int], int]:
+    """A count made the largest over the ranks (an all-reduce, so the ranks also leave it
+    together); the count itself where one process runs."""
+
+    def largest(count: int) -> int:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return count
+        box = torch.tensor([count], dtype=torch.int64, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
+
+    return largest
 
 
 def _agreed(costs: BlockCosts, device: torch.device) -> BlockCosts:

@@ -37,9 +37,15 @@ from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain
 from lamina.strategies.pp.stages import StageSpan
 
-#: Timed runs per block (after one warm-up run), of which the median counts (the
-#: default of ``PipelineOptions.timing_runs``).
+#: Timed runs per block at least (after one warm-up run; the default of
+#: ``PipelineOptions.timing_runs``).
 TIMED_RUNS = 5
+#: Seconds each block's runs span at least, per run asked for (5 runs: 50 ms): their
+#: mean counts, over a span several of the scheduler's slices long. Where ranks share
+#: cores, a slice (milliseconds) stops some runs and not others, so the median of a few
+#: short runs is a whole core's speed, not the share a step gets (measured: half the
+#: step's time for 4 ranks on 2 cores).
+TIMED_SPAN_PER_RUN_S = 0.01
 #: The most splits a cut for ranks holding several stages prices one by one (24 blocks
 #: into 4 stages: 1,771; beyond, each stage is balanced alone).
 MAX_SPLITS_TRIED = 50_000
@@ -69,13 +75,16 @@ def measure_costs(
     chain: BlockChain,
     run: Callable[[], Any],
     runs: int = TIMED_RUNS,
-    together: Callable[[], Any] = lambda: None,
+    agreed_runs: Callable[[int], int] = lambda count: count,
 ) -> BlockCosts:
-    """Each block's and the rest's forward + backward seconds (median of ``runs``);
-    ``together`` (a barrier across the ranks timing at once) starts each block's runs,
-    which follow back to back, so that every rank times the same work at the same time,
-    as in a step where every rank computes: on devices the ranks share (CPU cores), each
-    is then timed at the share of the device it gets in a step."""
+    """Each block's and the rest's forward + backward seconds: the mean of at least
+    ``runs`` back to back, as many as span ``runs`` x :data:`TIMED_SPAN_PER_RUN_S` by
+    the warm-up run's time. Across ranks timing at once, ``agreed_runs`` (collective: the
+    largest count over the ranks) starts each block's runs together and gives every
+    rank the same count (a block may issue collectives of its own), so that every rank
+    times the same work at the same time, as in a step where every rank computes: on
+    devices the ranks share (CPU cores), each is then timed at the share of the device
+    it gets in a step."""
     inputs = _block_inputs(model, chain, run)
     blocks = []
     kinds = []
@@ -83,10 +92,10 @@ def measure_costs(
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
             timed = partial(_fwd_bwd, block, args, kwargs)
-            blocks.append(_median_seconds(timed, runs, together))
+            blocks.append(_mean_seconds(timed, runs, agreed_runs))
             kinds.append(_kind(block, args))
         with _blocks_skipped(model, chain):
-            rest = _median_seconds(lambda: backward_of(run()), runs, together)
+            rest = _mean_seconds(lambda: backward_of(run()), runs, agreed_runs)
         model.zero_grad(set_to_none=True)
     return BlockCosts(_alike_equal(blocks, kinds), rest)
 
@@ -309,15 +318,15 @@ def backward_of(out: Any) -> None:
         sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
 
 
-def _median_seconds(fn: Callable[[], None], runs: int, together: Callable[[], Any]) -> float:
+def _mean_seconds(fn: Callable[[], None], runs: int, agreed_runs: Callable[[int], int]) -> float:
     # one start together, then back to back: every rank keeps computing through its
     # runs, as in a step (a barrier before each run lets the ranks done first hand their
     # share of a shared device to the rest, which then time faster than a step runs)
-    together()
+    started = time.perf_counter()
     fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
+    warm = max(time.perf_counter() - started, 1e-6)
+    count = agreed_runs(max(runs, math.ceil(runs * TIMED_SPAN_PER_RUN_S / warm)))
+    started = time.perf_counter()
+    for _ in range(count):
         fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return (time.perf_counter() - started) / count
