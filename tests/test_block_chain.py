@@ -151,7 +151,7 @@ def test_a_module_dict_with_numbered_keys_keeps_its_names() -> None:
     # auto measures the same chain: each block timed, its bytes counted
     from lamina.auto.measure import _chain_profile
 
-    profile, why = _chain_profile(model, (_ids(0)[:2],), {}, 2, 1, lambda n: n)
+    profile, why = _chain_profile(model, (_ids(0)[:2],), {}, 2, 1)
     assert why == "" and profile is not None and profile.chain.blocks == chain.blocks
     assert len(profile.costs.blocks) == LAYERS and len(set(profile.block_bytes)) == 1
 

@@ -256,7 +256,7 @@ def profile_model(
     rows = microbatch or max(1, batch // 2)
     small = rows_of(inputs, rows, batch)
     together()
-    chain_profile, no_chain = _chain_profile(model, small, kwargs, rows, runs, lambda n: n)
+    chain_profile, no_chain = _chain_profile(model, small, kwargs, rows, runs)
     params: list[torch.Tensor] = list(unique.values())
     optimizer_s = _optimizer_seconds(params, timed)
     dispatch_s = 0.0
@@ -349,7 +349,6 @@ def _chain_profile(
     kwargs: dict[str, Any],
     rows: int,
     runs: int,
-    agreed_runs: Callable[[int], int],
 ) -> tuple[ChainProfile | None, str]:
     def run() -> Any:
         return model(*inputs, **kwargs)
@@ -359,7 +358,7 @@ def _chain_profile(
             chain = find_chain(model, run)
     except ConfigError as exc:
         return None, str(exc).removeprefix("strategy 'pp': ")
-    costs = measure_costs(model, chain, run, runs, agreed_runs)
+    costs = measure_costs(model, chain, run, runs)
     block_bytes = tuple(_module_bytes(model.get_submodule(b)) for b in chain.blocks)
     prefix = sum(_module_bytes(model.get_submodule(m)) for m in chain.prefix)
     suffix = sum(_module_bytes(model.get_submodule(m)) for m in chain.suffix)
