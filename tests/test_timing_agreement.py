@@ -1,7 +1,8 @@
 """How the timings every rank takes at once become figures every rank agrees on:
-``"auto"``'s profile decides together when a timing has settled
-(:mod:`lamina.auto.measure`), and the pipeline's block costs are the ranks' mean, each
-block's runs back to back, as many on every rank (:mod:`lamina.strategies.pp`)."""
+``"auto"``'s profile starts each run together, counts the slowest rank's time and decides
+together when a timing has settled (:mod:`lamina.auto.measure`), and the pipeline's block
+costs are the slowest rank's, each block's runs back to back, as many on every rank
+(:mod:`lamina.strategies.pp.cut`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
-from lamina.auto.measure import SETTLE_CAP_S, SETTLE_MAX_SAMPLES, _settled
-from lamina.strategies.pp import _agreed
+from lamina.auto.measure import SETTLE_CAP_S, SETTLE_MAX_SAMPLES, _settled, profile_model
 from lamina.strategies.pp.chain import find_chain
-from lamina.strategies.pp.cut import BlockCosts, measure_costs
+from lamina.strategies.pp.cut import RanksTogether, measure_costs
 from lamina.testing import run_ranks
 
 
@@ -43,43 +43,63 @@ def test_every_rank_stops_timing_when_any_rank_reached_the_run_cap() -> None:
     assert results == [[True, False], [True, False]]
 
 
-def _mean_job() -> tuple[tuple[float, ...], float]:
+def _slowest_job() -> tuple[int, float]:
     runtime = lamina.init()
     try:
-        # a rank sharing its cores times slower: the step waits for it, so it counts
-        mine = BlockCosts((1.0, 2.0), 0.5) if runtime.rank == 0 else BlockCosts((3.0, 4.0), 1.5)
-        agreed = _agreed(mine, runtime.device)
-        return agreed.blocks, agreed.rest
+        # a rank sharing its cores times slower: the step waits for it, so its time counts
+        together = RanksTogether(runtime.device)
+        count = together.largest(4 if runtime.rank == 0 else 7)
+        seconds = together.slowest(1.0 if runtime.rank == 0 else 3.0)
+        return count, seconds
     finally:
         lamina.shutdown()
 
 
 @pytest.mark.multiprocess
-def test_the_pipelines_block_costs_are_the_ranks_mean_on_every_rank() -> None:
-    assert run_ranks(_mean_job, 2, timeout=120) == [((2.0, 3.0), 1.0)] * 2
+def test_the_pipelines_block_timings_take_the_largest_count_and_slowest_time_on_every_rank() -> (
+    None
+):
+    assert run_ranks(_slowest_job, 2, timeout=120) == [(7, 3.0)] * 2
 
 
-def test_each_blocks_runs_follow_one_agreed_count_back_to_back() -> None:
+class _Recorded:
+    """Timing together as another rank would answer: it needed 7 runs, took 3x as long."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.timed: list[float] = []
+
+    def largest(self, count: int) -> int:
+        self.asked.append(count)
+        return 7
+
+    def slowest(self, seconds: float) -> float:
+        self.timed.append(seconds)
+        return 3 * seconds
+
+
+def test_each_blocks_runs_follow_one_agreed_count_and_cost_the_slowest_ranks_time() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
     x = torch.randn(4, 8)
     chain = find_chain(model, lambda: model(x))
-    asked: list[int] = []
+    together = _Recorded()
     calls: list[int] = []
     for name in chain.blocks:
-        model.get_submodule(name).register_forward_hook(lambda *_: calls.append(len(asked)))
-
-    def agreed_runs(count: int) -> int:
-        asked.append(count)
-        return 7  # another rank needed more: every rank runs the largest count
-
-    costs = measure_costs(model, chain, lambda: model(x), 4, agreed_runs)
+        model.get_submodule(name).register_forward_hook(
+            lambda *_: calls.append(len(together.asked))
+        )
+    costs = measure_costs(model, chain, lambda: model(x), 4, together)
     # one agreement per block and one for the rest, never one per run
-    assert len(asked) == len(chain.blocks) + 1
-    assert all(count >= 4 for count in asked)
-    assert len(costs.blocks) == len(chain.blocks) and all(c > 0 for c in costs.blocks)
+    assert len(together.asked) == len(chain.blocks) + 1 == len(together.timed)
+    assert all(count >= 4 for count in together.asked)
     # the first block's 7 runs after its one agreement, then the second's warm-up (which
     # times how many runs it asks for)
     assert calls.count(1) == 7 + 1
+    # each block costs the slowest rank's time over the agreed count (alike blocks: their
+    # median)
+    mine = sorted(t * 3 / 7 for t in together.timed[:-1])
+    assert costs.blocks == (mine[1],) * 3
+    assert costs.rest == together.timed[-1] * 3 / 7
 
 
 class _SometimesStopped(nn.Module):
@@ -97,7 +117,7 @@ class _SometimesStopped(nn.Module):
         return self.linear(x)
 
 
-def test_a_blocks_cost_is_its_runs_mean_not_their_median() -> None:
+def test_a_blocks_cost_is_its_runs_whole_time_not_their_median() -> None:
     model = nn.Sequential(_SometimesStopped(), _SometimesStopped())
     x = torch.randn(2, 8)
     chain = find_chain(model, lambda: model(x))
@@ -105,3 +125,34 @@ def test_a_blocks_cost_is_its_runs_mean_not_their_median() -> None:
     # the median would be ~1 ms; the step pays the stopped runs too: ~4 ms a run
     assert all(c > 0.0025 for c in costs.blocks), costs.blocks
     assert model[0].calls >= 1 + 5  # warm-up, then at least the runs asked for
+
+
+class _Sleeps(nn.Module):
+    """A model whose forward takes ``seconds`` (the rank's share of a shared device)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def _profile_job() -> float:
+    runtime = lamina.init()
+    try:
+        # rank 1 gets a smaller share: every run of a step waits for it
+        model = _Sleeps(0.002 if runtime.rank == 0 else 0.020)
+        profile = profile_model(model, (torch.randn(4, 8),), runs=3, device=runtime.device)
+        return profile.forward_s
+    finally:
+        lamina.shutdown()
+
+
+@pytest.mark.multiprocess
+def test_the_profiles_runs_count_the_slowest_ranks_time_on_every_rank() -> None:
+    forwards = run_ranks(_profile_job, 2, timeout=120)
+    # the ranks' mean would be ~11 ms
+    assert forwards[0] == forwards[1] and forwards[0] >= 0.019, forwards

@@ -1,8 +1,9 @@
 """What ``"auto"`` measures of the model on the device: :func:`profile_model`.
 
 On one batch (``example_inputs``: one rank's share of the global batch under data
-parallelism), every rank at once (one barrier, then the runs back to back, so each rank
-is timed at the share of a shared device it gets in a training loop):
+parallelism), every rank at once (each run started together and counted as long as
+the slowest rank took, as a step's compute is, so each rank is timed at the share of a
+shared device it gets in a training loop):
 
 - the forward, and the forward + backward, of the whole model: ``runs`` at a time until
   every rank knows its median to within 5% (or a cap), the spread (quartiles over the
@@ -45,7 +46,7 @@ from lamina.auto.experts import ExpertProfile, expert_profile
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
 from lamina.strategies.pp.chain import BlockChain, find_chain
-from lamina.strategies.pp.cut import BlockCosts, backward_of, measure_costs
+from lamina.strategies.pp.cut import BlockCosts, RanksTogether, backward_of, measure_costs
 
 #: Timed runs of each measurement (after a warm-up), of which the median counts.
 PROFILE_RUNS = 5
@@ -211,19 +212,23 @@ def profile_model(
             dist.barrier()
 
     def samples(fn: Callable[[], None], settle: bool = False) -> list[float]:
-        # one start together, then back to back: the ranks drift apart as they do in a
-        # training loop (a barrier before each run would have the first ranks done wait,
-        # and on gloo poll, while the others still compute)
+        # every run starts together and counts as long as its slowest rank took, as a
+        # step's compute does (its collectives wait for the last rank): timed back to
+        # back instead, ranks sharing cores drift into turns, each run then takes a
+        # whole core's speed and the median comes out at half what a step meets
         together()
         fn()
         times: list[float] = []
         began = time.perf_counter()
         while True:
+            batch_times = []
             for _ in range(runs):
+                together()
                 start = time.perf_counter()
                 fn()
                 synchronize()
-                times.append(time.perf_counter() - start)
+                batch_times.append(time.perf_counter() - start)
+            times += _slowest_each(batch_times, device, distributed)
             if not settle or _settled(times, time.perf_counter() - began, device, distributed):
                 return times
 
@@ -256,7 +261,7 @@ def profile_model(
     rows = microbatch or max(1, batch // 2)
     small = rows_of(inputs, rows, batch)
     together()
-    chain_profile, no_chain = _chain_profile(model, small, kwargs, rows, runs)
+    chain_profile, no_chain = _chain_profile(model, small, kwargs, rows, runs, device)
     params: list[torch.Tensor] = list(unique.values())
     optimizer_s = _optimizer_seconds(params, timed)
     dispatch_s = 0.0
@@ -322,6 +327,18 @@ def _settled(
     return worst[0] <= MEDIAN_WITHIN or worst[1] >= SETTLE_CAP_S or worst[2] >= SETTLE_MAX_SAMPLES
 
 
+def _slowest_each(
+    times: list[float], device: torch.device | None, distributed: bool
+) -> list[float]:
+    """Each of ``times`` (one per run, the runs started together) as the slowest rank
+    took it."""
+    if not distributed:
+        return times
+    tensor = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(t) for t in tensor.tolist()]
+
+
 def _quartiles(times: list[float]) -> tuple[float, float]:
     """The lower and upper quartile of ``times`` (the median twice for one sample)."""
     if len(times) < 2:
@@ -349,6 +366,7 @@ def _chain_profile(
     kwargs: dict[str, Any],
     rows: int,
     runs: int,
+    device: torch.device | None = None,
 ) -> tuple[ChainProfile | None, str]:
     def run() -> Any:
         return model(*inputs, **kwargs)
@@ -358,7 +376,7 @@ def _chain_profile(
             chain = find_chain(model, run)
     except ConfigError as exc:
         return None, str(exc).removeprefix("strategy 'pp': ")
-    costs = measure_costs(model, chain, run, runs)
+    costs = measure_costs(model, chain, run, runs, RanksTogether(device))
     block_bytes = tuple(_module_bytes(model.get_submodule(b)) for b in chain.blocks)
     prefix = sum(_module_bytes(model.get_submodule(m)) for m in chain.prefix)
     suffix = sum(_module_bytes(model.get_submodule(m)) for m in chain.suffix)

@@ -16,7 +16,7 @@ pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,13 @@ from lamina.strategies.contract import (
 )
 from lamina.strategies.extension import extend_class
 from lamina.strategies.pp.chain import BlockChain, find_chain
-from lamina.strategies.pp.cut import BlockCosts, StageCut, cut_stages, measure_costs
+from lamina.strategies.pp.cut import (
+    BlockCosts,
+    RanksTogether,
+    StageCut,
+    cut_stages,
+    measure_costs,
+)
 from lamina.strategies.pp.engine import PipelineEngine, TiedWeight
 from lamina.strategies.pp.layout import PipelineLayout
 from lamina.strategies.pp.module import PipelinedModule, Pipelining
@@ -117,8 +123,7 @@ class PipelineStrategy(Strategy):
             return model(*args, **kwargs)
 
         chain = find_chain(model, run)
-        counted = measure_costs(model, chain, run, options.timing_runs, _largest(ctx.device))
-        costs = _agreed(counted, ctx.device)
+        costs = measure_costs(model, chain, run, options.timing_runs, RanksTogether(ctx.device))
         return StageTimings(chain, costs)
 
     def plan(
@@ -285,32 +290,6 @@ def _microbatch(
     args = pytree.tree_map(cut, options.example_inputs or ())
     kwargs = pytree.tree_map(cut, options.example_kwargs or {})
     return tuple(args), dict(kwargs)
-
-
-def _largest(device: torch.device) -> Callable[[int], int]:
-    """A count made the largest over the ranks (an all-reduce, so the ranks also leave it
-    together); the count itself where one process runs."""
-
-    def largest(count: int) -> int:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return count
-        box = torch.tensor([count], dtype=torch.int64, device=device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return int(box.item())
-
-    return largest
-
-
-def _agreed(costs: BlockCosts, device: torch.device) -> BlockCosts:
-    """The ranks' mean measured costs on every rank, so that every rank cuts the same
-    stages (one small all-reduce): on a shared device one rank's share swings, and the
-    step waits for each rank in turn."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return costs
-    figures = torch.tensor([*costs.blocks, costs.rest], dtype=torch.float64, device=device)
-    dist.all_reduce(figures)
-    mean = (figures / dist.get_world_size()).tolist()
-    return BlockCosts(tuple(mean[:-1]), mean[-1])
 
 
 def _tied(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:

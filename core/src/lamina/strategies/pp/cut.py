@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -49,6 +50,58 @@ TIMED_SPAN_PER_RUN_S = 0.01
 #: The most splits a cut for ranks holding several stages prices one by one (24 blocks
 #: into 4 stages: 1,771; beyond, each stage is balanced alone).
 MAX_SPLITS_TRIED = 50_000
+
+
+class TimedTogether(Protocol):
+    """How the ranks time a block at once (each call collective over them)."""
+
+    def largest(self, count: int) -> int:
+        """The largest of the ranks' run counts (the ranks leave it together)."""
+        ...
+
+    def slowest(self, seconds: float) -> float:
+        """The longest of the ranks' times."""
+        ...
+
+
+class _Alone:
+    """One process timing: its own count and time."""
+
+    def largest(self, count: int) -> int:
+        return count
+
+    def slowest(self, seconds: float) -> float:
+        return seconds
+
+
+#: The timing of a process that times alone.
+ALONE: TimedTogether = _Alone()
+
+
+class RanksTogether:
+    """Every rank of the job timing a block at once (a :class:`TimedTogether`): one
+    all-reduce each, so the ranks also leave it together; every rank gets the same
+    figures, so every rank cuts the same stages (one process: alone)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+
+    def largest(self, count: int) -> int:
+        """The largest count over the ranks."""
+        if not self.distributed:
+            return count
+        box = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
+
+    def slowest(self, seconds: float) -> float:
+        """The longest time over the ranks."""
+        if not self.distributed:
+            return seconds
+        box = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
 
 
 @dataclass(frozen=True)
@@ -75,16 +128,16 @@ def measure_costs(
     chain: BlockChain,
     run: Callable[[], Any],
     runs: int = TIMED_RUNS,
-    agreed_runs: Callable[[int], int] = lambda count: count,
+    ranks: TimedTogether | None = None,
 ) -> BlockCosts:
-    """Each block's and the rest's forward + backward seconds: the mean of at least
-    ``runs`` back to back, as many as span ``runs`` x :data:`TIMED_SPAN_PER_RUN_S` by
-    the warm-up run's time. Across ranks timing at once, ``agreed_runs`` (collective: the
-    largest count over the ranks) starts each block's runs together and gives every
-    rank the same count (a block may issue collectives of its own), so that every rank
-    times the same work at the same time, as in a step where every rank computes: on
-    devices the ranks share (CPU cores), each is then timed at the share of the device
-    it gets in a step."""
+    """Each block's and the rest's forward + backward seconds: at least ``runs`` back to
+    back, as many as span ``runs`` x :data:`TIMED_SPAN_PER_RUN_S` by the warm-up run's
+    time, their time over their count. Across ranks timing at once, ``ranks`` (collective)
+    starts each block's runs together, gives every rank the same count (a block may
+    issue collectives of its own) and counts the slowest rank's time, so that every rank
+    times the same work at the same time, as in a step where every rank computes, and the
+    cost is what all of them take: on devices the ranks share (CPU cores), the share of
+    the device each gets in a step."""
     inputs = _block_inputs(model, chain, run)
     blocks = []
     kinds = []
@@ -92,10 +145,10 @@ def measure_costs(
         for name, (args, kwargs) in zip(chain.blocks, inputs, strict=True):
             block = model.get_submodule(name)
             timed = partial(_fwd_bwd, block, args, kwargs)
-            blocks.append(_mean_seconds(timed, runs, agreed_runs))
+            blocks.append(_mean_seconds(timed, runs, ranks or ALONE))
             kinds.append(_kind(block, args))
         with _blocks_skipped(model, chain):
-            rest = _mean_seconds(lambda: backward_of(run()), runs, agreed_runs)
+            rest = _mean_seconds(lambda: backward_of(run()), runs, ranks or ALONE)
         model.zero_grad(set_to_none=True)
     return BlockCosts(_alike_equal(blocks, kinds), rest)
 
@@ -318,15 +371,16 @@ def backward_of(out: Any) -> None:
         sum(t.float().sum() for t in tensors).backward()  # type: ignore[union-attr]
 
 
-def _mean_seconds(fn: Callable[[], None], runs: int, agreed_runs: Callable[[int], int]) -> float:
-    # one start together, then back to back: every rank keeps computing through its
-    # runs, as in a step (a barrier before each run lets the ranks done first hand their
-    # share of a shared device to the rest, which then time faster than a step runs)
+def _mean_seconds(fn: Callable[[], None], runs: int, ranks: TimedTogether) -> float:
+    # one start together, then back to back, the slowest rank's time: each rank keeps
+    # computing through its runs, as in a step, and where ranks share cores and take
+    # turns, the last to finish took the time all of them needed (a barrier before each
+    # run, or the median of short runs, would time a rank while others wait)
     started = time.perf_counter()
     fn()  # warm-up
     warm = max(time.perf_counter() - started, 1e-6)
-    count = agreed_runs(max(runs, math.ceil(runs * TIMED_SPAN_PER_RUN_S / warm)))
+    count = ranks.largest(max(runs, math.ceil(runs * TIMED_SPAN_PER_RUN_S / warm)))
     started = time.perf_counter()
     for _ in range(count):
         fn()
-    return (time.perf_counter() - started) / count
+    return ranks.slowest(time.perf_counter() - started) / count
