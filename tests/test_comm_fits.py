@@ -4,9 +4,7 @@ the gradients (as data parallelism's buckets are), and timed runs interleave siz
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import lamina
-from lamina.auto.comm import (
-    FIT_SIZES,
-    Fit,
-    Starter,
-    _interleaved_means,
-    _issued_as_gradients_land,
-    measure_concurrency,
-)
-from lamina.testing import run_ranks
+from lamina.auto.comm import FIT_SIZES, Fit, _interleaved_means, _issued_as_gradients_land
 
 
 @pytest.fixture
@@ -79,44 +68,3 @@ def test_timed_runs_interleave_and_average(one_rank: None) -> None:
     assert calls[:4] == ["a", "b", "a", "b"]
     assert calls.count("a") == calls.count("b") >= 4
     assert len(means) == 2 and all(m >= 0 for m in means)
-
-
-def _sleeper(seconds: float, beside: bool) -> Starter:
-    """A collective stand-in taking ``seconds``: in flight beside the caller (a thread)
-    when ``beside``, else done before ``issue()`` returns."""
-
-    def starter(_nbytes: int) -> Callable[[], Callable[[], None]]:
-        def issue() -> Callable[[], None]:
-            if not beside:
-                time.sleep(seconds)
-                return lambda: None
-            thread = threading.Thread(target=time.sleep, args=(seconds,))
-            thread.start()
-            return thread.join
-
-        return issue
-
-    return starter
-
-
-def _concurrency_job() -> list[float]:
-    runtime = lamina.init()
-    try:
-        shares = []
-        for beside in (True, False):
-            starts = {
-                "all_gather": _sleeper(0.02, beside),
-                "reduce_scatter": _sleeper(0.03, beside),
-            }
-            shares.append(measure_concurrency(runtime, starts, 3))
-        return shares
-    finally:
-        lamina.shutdown()
-
-
-@pytest.mark.multiprocess
-def test_the_concurrency_is_the_share_of_the_shorter_collective_hidden_beside_the_other() -> None:
-    for beside, one_after_the_other in run_ranks(_concurrency_job, 2, timeout=120):
-        # both in flight at once: 30 ms for 50, all of the 20 hidden; one at a time: none
-        assert beside > 0.7, beside
-        assert one_after_the_other < 0.3, one_after_the_other

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from lamina.runtime import ExecutionPlan
-from lamina.runtime.nodes import Collective, Compute, Gather
+from lamina.runtime.nodes import Collective, Compute
 from lamina.runtime.plan import CollectiveSpec, PlanNode
 from lamina.simulate.step import price_step
 
@@ -23,7 +23,6 @@ class Prices:
 
     overlap: float = 1.0
     skew: float = 0.0
-    concurrency: float = 0.0
 
     def compute(self, node: PlanNode) -> float:
         return COMPUTE[node.kind]
@@ -102,48 +101,3 @@ def test_setup_collectives_are_not_part_of_a_step() -> None:
     priced = price_step(with_setup, Prices())
     assert priced.step_s == pytest.approx(47.0)
     assert "setup.broadcast" not in {c.node for c in priced.collectives}
-
-
-def _zero3_backward_plan() -> ExecutionPlan:
-    """Unit 1's backward, then its reduce-scatter and unit 0's gather both ready at once
-    (the reduce-scatter first in the plan's order), unit 0's backward needing the gather."""
-    spec = CollectiveSpec("all_gather", "float32", 250, 4, (0, 1), axis="dp")
-    gather = PlanNode(
-        "gather0", "gather", "backward", "gather0", Gather("blocks.0", "backward"), spec
-    )
-    nodes = (
-        PlanNode("forward", "forward", "forward", "forward", Compute()),
-        PlanNode("backward1", "backward", "backward", "backward1", Compute()),
-        _collective("scatter1", "backward", 500, purpose="gradient"),
-        gather,
-        PlanNode("backward0", "backward", "backward", "backward0", Compute()),
-        _collective("scatter0", "backward", 500, purpose="gradient"),
-        PlanNode("optimizer", "optimizer", "step", "optimizer", Compute()),
-    )
-    edges = (
-        ("forward", "backward1"),
-        ("backward1", "scatter1"),
-        ("backward1", "gather0"),
-        ("gather0", "backward0"),
-        ("backward1", "backward0"),
-        ("backward0", "scatter0"),
-        ("scatter1", "optimizer"),
-        ("scatter0", "optimizer"),
-    )
-    return ExecutionPlan("zero3", 2, "gloo", nodes, edges)
-
-
-def test_a_gather_runs_beside_a_reduce_scatter_by_the_measured_concurrency() -> None:
-    plan = _zero3_backward_plan()
-    # one at a time: scatter1 30-50, gather0 50-60, backward0 60-80, scatter0 80-100,
-    # the optimizer 100-105
-    assert price_step(plan, Prices()).step_s == pytest.approx(105.0)
-    # the gather in a lane of its own: gather0 30-40 beside scatter1, backward0 40-60,
-    # scatter0 60-80, the optimizer 80-85
-    assert price_step(plan, Prices(concurrency=1.0)).step_s == pytest.approx(85.0)
-    assert price_step(plan, Prices(concurrency=0.5)).step_s == pytest.approx(95.0)
-    # without compute beside them, the collectives alone: the gather 0-10 beside
-    # scatter1 0-20, scatter0 20-40; compute 55 on top
-    alone = price_step(plan, Prices(overlap=0.0, concurrency=1.0))
-    assert alone.parts["communication"] == pytest.approx(40.0)
-    assert alone.step_s == pytest.approx(95.0)

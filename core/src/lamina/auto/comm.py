@@ -14,10 +14,7 @@ all-reduce sums, the unit an all-gather fills, the message a pipeline sends):
   them that the engines do (a fresh buffer, the copy into the unsharded layout, the
   gradients copied into the reduce-scatter's input); a whole-job all-reduce on
   several hosts also times the hierarchical algorithm and costs the faster one, as
-  ``dp``'s cost model picks per bucket; with them, three facts of the job: how much
-  of a collective compute hides (the overlap), what a blocking collective waits for the
-  last rank (the skew) and how much of a gather a reduce-scatter in flight beside it
-  hides (the concurrency);
+  ``dp``'s cost model picks per bucket;
 - :class:`ClusterComm` (a declared cluster, ``lamina plan --simulate``): the formulas of
   :mod:`lamina.simulate.timing` on the cluster's groups.
 """
@@ -74,12 +71,6 @@ OVERLAP_FLOOR = -5.0
 OVERLAP_BUCKETS = 8
 #: Rounds of compute and a blocking collective :func:`measure_skew` times.
 SKEW_ROUNDS = 16
-#: Bytes of the gather and the reduce-scatter :func:`measure_concurrency` runs at once
-#: (about a ZeRO-3 unit of a small model's block).
-CONCURRENCY_BYTES = 1 << 20
-#: ``nbytes -> issue``: ``issue()`` starts one call of an op on one group and returns
-#: what waits for it (and finishes its data movement).
-Starter = Callable[[int], Callable[[], Callable[[], None]]]
 
 
 class CommCosts(Protocol):
@@ -101,12 +92,6 @@ class CommCosts(Protocol):
     @property
     def skew(self) -> float:
         """Seconds a blocking collective waits for the last rank, beyond its own time."""
-        ...
-
-    @property
-    def concurrency(self) -> float:
-        """The share of the shorter of two collectives in flight at once (a gather beside
-        a reduce-scatter) that the other hides (0: one after the other, to 1)."""
         ...
 
 
@@ -164,13 +149,11 @@ class MeasuredComm:
         sizes: dict[tuple[str, ...], int],
         overlap: float = 1.0,
         skew: float = 0.0,
-        concurrency: float = 0.0,
     ) -> None:
         self.fits = fits
         self.sizes = sizes
         self.overlap = overlap
         self.skew = skew
-        self.concurrency = concurrency
 
     def seconds(self, op: str, axes: tuple[str, ...], nbytes: float) -> float:
         """Seconds of ``op`` over ``axes`` (0 for a group of one rank)."""
@@ -185,8 +168,7 @@ class MeasuredComm:
         """One line per fitted op and group, and the overlap measured."""
         return [
             f"communication hidden behind compute: {self.overlap:.0%}, a blocking "
-            f"collective's wait for the last rank: {self.skew * 1e3:.2f} ms, a gather "
-            f"hidden beside a reduce-scatter: {self.concurrency:.0%} (measured)"
+            f"collective's wait for the last rank: {self.skew * 1e3:.2f} ms (measured)"
         ] + [
             f"{op} over {'+'.join(axes)} ({self.sizes[axes]} ranks): "
             f"{fit.alpha * 1e6:.0f} us + {fit.beta * 1e9:.3f} ns/B"
@@ -241,15 +223,13 @@ class MeasuredComm:
                 points.append((op, axes, op_points))
         fits = {(op, axes): Fit.through_all(found) for op, axes, found in points}
         whole = tuple(mesh.axis_names)
-        overlap, skew, concurrency = 1.0, 0.0, 0.0
+        overlap, skew = 1.0, 0.0
         if runtime.world_size > 1:
             overlap = measure_overlap(
                 runtime, fits.get(("all_reduce", whole)), runs, compute, parameters
             )
             skew = measure_skew(runtime, runs)
-            starts = _op_starts(runtime, None, tuple(range(runtime.world_size)))
-            concurrency = measure_concurrency(runtime, starts, runs)
-        return cls(fits, group_sizes, overlap, skew, concurrency)
+        return cls(fits, group_sizes, overlap, skew)
 
 
 def measure_overlap(
@@ -385,46 +365,6 @@ def measure_skew(runtime: Runtime, runs: int = FIT_RUNS) -> float:
     return _mean_over_ranks(max(0.0, extra), device)
 
 
-def measure_concurrency(
-    runtime: Runtime, starts: dict[str, Starter], runs: int = FIT_RUNS
-) -> float:
-    """The share of the shorter of a gather and a reduce-scatter (the sharded engines'
-    forms, :data:`CONCURRENCY_BYTES` each, over the whole job) hidden when both are in
-    flight at once, as a ZeRO-3 backward has them (the next unit's gather beside the last
-    unit's reduce-scatter): ``(t_gather + t_scatter - t_both) / min(t_gather, t_scatter)``,
-    the median of ``runs`` interleaved measurements, the ranks' mean, in [0, 1]. A
-    backend that runs one collective at a time, or a link either one fills, gives 0."""
-    device, sync = runtime.device, runtime.handle.synchronize
-    gather = starts["all_gather"](CONCURRENCY_BYTES)
-    scatter = starts["reduce_scatter"](CONCURRENCY_BYTES)
-
-    def both() -> None:
-        waits = [gather(), scatter()]  # issued in one order on every rank
-        for wait in waits:
-            wait()
-
-    timed = [lambda: gather()(), lambda: scatter()(), both]
-    for run in timed:  # warm-up
-        run()
-    shares = []
-    for _ in range(runs):
-        t_gather, t_scatter, t_both = (_together_seconds(run, sync, device) for run in timed)
-        shares.append((t_gather + t_scatter - t_both) / max(min(t_gather, t_scatter), 1e-9))
-    hidden = statistics.median(shares)
-    return _mean_over_ranks(min(1.0, max(0.0, hidden)), device)
-
-
-def _together_seconds(
-    run: Callable[[], object], sync: Callable[[], None], device: torch.device
-) -> float:
-    """One call of ``run``, started together (a barrier), the slowest rank's seconds."""
-    dist.barrier()
-    start = time.perf_counter()
-    run()
-    sync()
-    return _slowest([time.perf_counter() - start], device)[0]
-
-
 def _slowest(times: list[float], device: torch.device) -> list[float]:
     """Each of ``times`` as the slowest rank measured it (collective: every rank)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -481,54 +421,6 @@ def _op_timers(
     runtime: Runtime, group: dist.ProcessGroup | None, ranks: tuple[int, ...]
 ) -> dict[str, Timer]:
     """A :data:`Timer` per op over ``group``."""
-    device = runtime.device
-    size = len(ranks)
-    me = ranks.index(runtime.rank)
-    starts = _op_starts(runtime, group, ranks)
-
-    def numel(nbytes: int) -> int:
-        return max(size, nbytes // 4 // size * size)
-
-    def all_reduce(nbytes: int) -> Callable[[], object]:
-        buf = torch.zeros(numel(nbytes), device=device)
-        return lambda: dist.all_reduce(buf, group=group)
-
-    def waited(op: str) -> Timer:
-        def timer(nbytes: int) -> Callable[[], object]:
-            issue = starts[op](nbytes)
-            return lambda: issue()()
-
-        return timer
-
-    def send(nbytes: int) -> Callable[[], object]:
-        buf = torch.zeros(max(1, nbytes // 4), device=device)
-        # neighbours along the group exchange one message: 0 -> 1, 2 -> 3, ...
-        peer = me + 1 if me % 2 == 0 else me - 1
-
-        def run() -> None:
-            if peer >= size:
-                return
-            if me % 2 == 0:
-                dist.send(buf, ranks[peer])
-            else:
-                dist.recv(buf, ranks[peer])
-
-        return run
-
-    return {
-        "all_reduce": all_reduce,
-        "all_gather": waited("all_gather"),
-        "reduce_scatter": waited("reduce_scatter"),
-        "send": send,
-    }
-
-
-def _op_starts(
-    runtime: Runtime, group: dist.ProcessGroup | None, ranks: tuple[int, ...]
-) -> dict[str, Starter]:
-    """A :data:`Starter` of the gather and of the reduce-scatter over ``group``, in the
-    forms the sharded engines use on this backend, with the data movement around them
-    that the engines do."""
     from lamina.memory.gather import gather_full, reduce_scatter_start
     from lamina.runtime.primitives import choose_primitive
 
@@ -547,44 +439,60 @@ def _op_starts(
     def numel(nbytes: int) -> int:
         return max(size, nbytes // 4 // size * size)
 
-    def all_gather(nbytes: int) -> Callable[[], Callable[[], None]]:
+    def all_reduce(nbytes: int) -> Callable[[], object]:
+        buf = torch.zeros(numel(nbytes), device=device)
+        return lambda: dist.all_reduce(buf, group=group)
+
+    def all_gather(nbytes: int) -> Callable[[], object]:
         # as a ZeRO-3 unit's gather runs: a fresh buffer, the gather, and (but for the
         # all-reduce form, which gathers in place) the copy into the unsharded layout
         numel_ = numel(nbytes)
         shard = torch.zeros(numel_ // size, device=device)
 
-        def issue() -> Callable[[], None]:
+        def run() -> None:
             full = torch.empty(numel_, device=device)
             work = gather_full(shard, full, me, gather_form, group, async_op=True)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait()
+            if gather_form != "all_reduce":
+                torch.empty_like(full).copy_(full)
 
-            def wait() -> None:
-                if work is not None:
-                    work.wait()
-                if gather_form != "all_reduce":
-                    torch.empty_like(full).copy_(full)
+        return run
 
-            return wait
-
-        return issue
-
-    def reduce_scatter(nbytes: int) -> Callable[[], Callable[[], None]]:
+    def reduce_scatter(nbytes: int) -> Callable[[], object]:
         # as a ZeRO-3 unit's reduce-scatter runs: its gradients copied into a fresh input
         grads = torch.zeros(numel(nbytes), device=device)
 
-        def issue() -> Callable[[], None]:
+        def run() -> None:
             buf = torch.empty_like(grads).copy_(grads)
             work, finish = reduce_scatter_start(buf, me, size, scatter_form, group)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait()
+            finish()
 
-            def wait() -> None:
-                if work is not None:
-                    work.wait()
-                finish()
+        return run
 
-            return wait
+    def send(nbytes: int) -> Callable[[], object]:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+        # neighbours along the group exchange one message: 0 -> 1, 2 -> 3, ...
+        peer = me + 1 if me % 2 == 0 else me - 1
 
-        return issue
+        def run() -> None:
+            if peer >= size:
+                return
+            if me % 2 == 0:
+                dist.send(buf, ranks[peer])
+            else:
+                dist.recv(buf, ranks[peer])
 
-    return {"all_gather": all_gather, "reduce_scatter": reduce_scatter}
+        return run
+
+    return {
+        "all_reduce": all_reduce,
+        "all_gather": all_gather,
+        "reduce_scatter": reduce_scatter,
+        "send": send,
+    }
 
 
 def _hierarchical(runtime: Runtime, layout: HostLayout) -> Timer:
@@ -609,11 +517,10 @@ class ClusterComm:
     """The declared cluster's alpha-beta formulas (:mod:`lamina.simulate.timing`) on the
     group of each axes tuple of its mesh; its devices are taken to hide communication
     behind compute (a communication stream), as accelerators do, and to reach each
-    collective together (no skew), one collective at a time (no concurrency)."""
+    collective together (no skew)."""
 
     overlap = 1.0
     skew = 0.0
-    concurrency = 0.0
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster

@@ -57,11 +57,6 @@ class PlanPrices:
         """The measured wait for the last rank at a blocking collective."""
         return self.comm.skew
 
-    @property
-    def concurrency(self) -> float:
-        """The measured share of a gather a reduce-scatter beside it hides."""
-        return self.comm.concurrency
-
     def compute(self, node: PlanNode) -> float:
         """A forward, backward or optimizer node's seconds."""
         return self._measured(node) * self.compute_scale

@@ -8,10 +8,7 @@ streams, as the engines run it:
 - compute nodes (forward, backward, optimizer) run one at a time on the compute stream;
 - gathers and the gradient collectives (a DP bucket's all-reduce, a ZeRO-3 unit's
   reduce-scatter, HSDP's replica all-reduce) run one at a time on the communication
-  stream once their predecessors finished, beside the compute; where the backend runs
-  a gather and a reduce-scatter at once, the gathers also run in a lane of their own,
-  and the step is the two schedules weighed by the share of that it measured
-  (``concurrency``: 0, one at a time; 1, fully beside each other). A DP bucket whose
+  stream once their predecessors finished, beside the compute. A DP bucket whose
   predecessor is the whole model's backward is ready when backward has produced its
   gradients: after the share of the backward that the buckets before it and itself
   carry (the reducer fills them in order);
@@ -67,12 +64,6 @@ class NodePrices(Protocol):
     @property
     def skew(self) -> float:
         """Seconds a blocking collective or transfer waits for the last rank."""
-        ...
-
-    @property
-    def concurrency(self) -> float:
-        """The share of a gather that a gradient collective in flight beside it hides
-        (0: one collective at a time, to 1)."""
         ...
 
 
@@ -204,24 +195,35 @@ def _scheduled(
         duration[node_id] = streamed[node_id]
     ready_share = _bucket_shares(nodes)
     order = {node_id: k for k, node_id in enumerate(plan.topological_order())}
-    timeline = _Timeline(by_id, preds, streamed, ready_share, order)
-    gathers = {i for i in streamed if by_id[i].kind == "gather"}
-    one_lane = timeline.end(duration, lanes=False)
-    # the gathers in a lane of their own, beside the gradient collectives: the share of
-    # that the backend gives (a gather and a reduce-scatter in flight at once)
-    concurrency = prices.concurrency if gathers and len(gathers) < len(streamed) else 0.0
-    two_lanes = timeline.end(duration, lanes=True) if concurrency > 0 else one_lane
-    comm_only = {i: (s if i in streamed else 0.0) for i, s in duration.items()}
-    communication = sum(streamed.values())
-    if concurrency > 0:  # the collectives alone, as their edges let them run
-        communication = (1 - concurrency) * communication + concurrency * timeline.end(
-            comm_only, lanes=True
-        )
+    start: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    free = {"compute": 0.0, "comm": 0.0}
+    waiting = {n.id for n in nodes}
+    while waiting:
+        best: tuple[float, int, str] | None = None
+        for node_id in waiting:
+            if not all(p in finish for p in preds[node_id]):
+                continue
+            ready = _ready(node_id, preds[node_id], start, finish, duration, ready_share)
+            stream = _stream(by_id[node_id], node_id in streamed)
+            at = max(ready, free[stream]) if stream else ready
+            key = (at, order.get(node_id, 0), node_id)
+            if best is None or key < best:
+                best = key
+        assert best is not None, "a plan's edges form a DAG (checked when it is built)"
+        at, _, node_id = best
+        waiting.discard(node_id)
+        start[node_id] = at
+        finish[node_id] = at + duration.get(node_id, 0.0)
+        stream = _stream(by_id[node_id], node_id in streamed)
+        if stream:
+            free[stream] = finish[node_id]
     # a blocking collective of a phase with no compute node of its own waits alone
     alone = sum(s for phase, s in blocking.items() if not phase_total.get(phase))
-    overlapped = concurrency * two_lanes + (1 - concurrency) * one_lane + alone
+    overlapped = max(finish.values(), default=0.0) + alone
     compute = sum(own.values())
     held_up = sum(blocking.values())
+    communication = sum(streamed.values())
     serial = compute + held_up + communication
     step = prices.overlap * overlapped + (1.0 - prices.overlap) * serial
     optimizer = sum(s for i, s in own.items() if by_id[i].kind == "optimizer")
@@ -236,52 +238,6 @@ def _scheduled(
         },
         tuple(priced),
     )
-
-
-@dataclass(frozen=True)
-class _Timeline:
-    """A plan's nodes scheduled over its edges on the compute stream and the
-    communication stream (with ``lanes``, the gathers on a stream of their own)."""
-
-    by_id: dict[str, PlanNode]
-    preds: dict[str, list[str]]
-    streamed: dict[str, float]
-    ready_share: dict[str, float]
-    order: dict[str, int]
-
-    def end(self, duration: dict[str, float], lanes: bool) -> float:
-        """When the last node finishes, each taking its ``duration``."""
-        start: dict[str, float] = {}
-        finish: dict[str, float] = {}
-        free: dict[str, float] = defaultdict(float)
-        waiting = set(self.by_id)
-        while waiting:
-            best: tuple[float, int, str] | None = None
-            for node_id in waiting:
-                before = self.preds[node_id]
-                if not all(p in finish for p in before):
-                    continue
-                ready = _ready(node_id, before, start, finish, duration, self.ready_share)
-                stream = self._stream(node_id, lanes)
-                at = max(ready, free[stream]) if stream else ready
-                key = (at, self.order.get(node_id, 0), node_id)
-                if best is None or key < best:
-                    best = key
-            assert best is not None, "a plan's edges form a DAG (checked when it is built)"
-            at, _, node_id = best
-            waiting.discard(node_id)
-            start[node_id] = at
-            finish[node_id] = at + duration.get(node_id, 0.0)
-            stream = self._stream(node_id, lanes)
-            if stream:
-                free[stream] = finish[node_id]
-        return max(finish.values(), default=0.0)
-
-    def _stream(self, node_id: str, lanes: bool) -> str:
-        stream = _stream(self.by_id[node_id], node_id in self.streamed)
-        if lanes and stream == "comm" and self.by_id[node_id].kind == "gather":
-            return "gather"
-        return stream
 
 
 def _computes(node: PlanNode) -> bool:
