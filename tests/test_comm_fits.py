@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lamina.auto.comm import FIT_SIZES, Fit, _interleaved_means, _issued_as_gradients_land
+from lamina.auto.comm import (
+    FIT_SIZES,
+    Fit,
+    _interleaved_means,
+    _issued_as_gradients_land,
+    hideable,
+    overlap_share,
+    weighted_median,
+)
 
 
 @pytest.fixture
@@ -68,3 +76,27 @@ def test_timed_runs_interleave_and_average(one_rank: None) -> None:
     assert calls[:4] == ["a", "b", "a", "b"]
     assert calls.count("a") == calls.count("b") >= 4
     assert len(means) == 2 and all(m >= 0 for m in means)
+
+
+def test_the_overlap_share_counts_only_what_the_issue_order_let_compute_hide() -> None:
+    # 100 ms of compute; 100 ms of collectives in 4 pieces issued as gradients land, at
+    # 60, 70, 80 and 100 ms: at best they end at 160 ms (the last pieces wait for theirs)
+    landed = [0.06, 0.07, 0.08, 0.10]
+    assert overlap_share(0.1, 0.1, 0.16, landed) == pytest.approx(1.0)
+    assert overlap_share(0.1, 0.1, 0.18, landed) == pytest.approx(0.5)
+    assert overlap_share(0.1, 0.1, 0.20, landed) == pytest.approx(0.0)
+    # sharing the device cost more than one after the other
+    assert overlap_share(0.1, 0.1, 0.24, landed) == pytest.approx(-1.0)
+    # one piece issued first: the shorter of the two can hide entirely
+    assert overlap_share(0.1, 0.05, 0.1, [0.0]) == pytest.approx(1.0)
+
+
+def test_the_overlap_rounds_count_by_what_each_could_hide() -> None:
+    # a round whose pieces all landed at the end could hide almost nothing: its ratio is
+    # noise, and counts for almost nothing
+    landed_late = [0.099] * 4
+    assert hideable(0.1, 0.1, landed_late) == pytest.approx(0.001)
+    shares = [-40.0, 0.8, 0.9, 0.7, -0.2]
+    weights = [0.001, 0.04, 0.04, 0.04, 0.005]
+    assert weighted_median(shares, weights) == pytest.approx(0.8)
+    assert weighted_median([3.0, 1.0, 2.0], [0.0, 0.0, 0.0]) == pytest.approx(2.0)

@@ -7,6 +7,8 @@ costs are the slowest rank's, each block's runs back to back, as many on every r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,15 @@ import torch.distributed as dist
 from torch import nn
 
 import lamina
-from lamina.auto.measure import SETTLE_CAP_S, SETTLE_MAX_SAMPLES, _settled, profile_model
+from lamina.auto.measure import (
+    DISPATCH_NUMEL,
+    DISPATCH_TIMED_TENSORS,
+    SETTLE_CAP_S,
+    SETTLE_MAX_SAMPLES,
+    _dispatch_seconds,
+    _settled,
+    profile_model,
+)
 from lamina.strategies.pp.chain import find_chain
 from lamina.strategies.pp.cut import RanksTogether, measure_costs
 from lamina.testing import run_ranks
@@ -156,3 +166,26 @@ def test_the_profiles_runs_count_the_slowest_ranks_time_on_every_rank() -> None:
     forwards = run_ranks(_profile_job, 2, timeout=120)
     # the ranks' mean would be ~11 ms
     assert forwards[0] == forwards[1] and forwards[0] >= 0.019, forwards
+
+
+def test_the_dtensor_dispatch_is_timed_per_tensor_on_tiny_tensors(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        seen: list[int] = []
+
+        def timed(step: Callable[[], None]) -> float:
+            group = step.__self__.param_groups[0]["params"]  # type: ignore[attr-defined]
+            seen.extend(p.numel() for p in group)
+            return 3.0 if isinstance(group[0], DTensor) else 1.0
+
+        params = [torch.zeros(512, 512) for _ in range(10)]
+        # (3 - 1) s over 16 tiny tensors, for each of the 10 parameters
+        assert _dispatch_seconds(params, timed, mesh) == pytest.approx(2.0 / 16 * 10)
+        assert set(seen) == {DISPATCH_NUMEL} and len(seen) == 2 * DISPATCH_TIMED_TENSORS
+    finally:
+        dist.destroy_process_group()

@@ -239,19 +239,25 @@ def measure_overlap(
     compute: Callable[[], None] | None = None,
     parameters: Sequence[torch.Tensor] = (),
 ) -> float:
-    """The share of a collective's time the device hides behind compute: ``compute``
-    (the model's forward + backward: its autograd holds the interpreter as a real step
-    does; default: matrix products) timed alone, all-reduces over the job about as long
-    together (sized by its ``fit``) timed alone, then both at once:
-    ``(t_comm + t_compute - t_both) / min(t_comm, t_compute)``, the median of
-    :data:`OVERLAP_ROUNDS` interleaved measurements, the ranks' mean, in
-    [:data:`OVERLAP_FLOOR`, 1].
+    """The share of what compute could hide of a collective that it does hide:
+    ``compute`` (the model's forward + backward: its autograd holds the interpreter as a
+    real step does; default: matrix products) timed alone, all-reduces over the job about
+    as long together (sized by its ``fit``) timed alone, then both at once:
+    ``(t_comm + t_compute - t_both) / (t_comm + t_compute - t_ideal)``, where
+    ``t_ideal`` is both at once with nothing lost to sharing the device: each piece
+    started when its gradients were there in the compute alone (or when the one before
+    it finished), at its time alone. The
+    median of :data:`OVERLAP_ROUNDS` interleaved measurements, each weighed by what it
+    could hide (:func:`weighted_median`), the ranks' mean, in [:data:`OVERLAP_FLOOR`, 1].
     With ``parameters`` (the model's, that ``compute``'s backward reaches) the
     all-reduces are :data:`OVERLAP_BUCKETS` pieces, each issued as backward has produced
     its share of the gradients, as data parallelism issues its buckets; otherwise one,
-    issued first. Accelerators with a communication stream hide nearly all of it; CPU
-    ranks sharing their cores with the collective's threads hide little, or less than
-    nothing: below 0, running both at once costs more than one after the other."""
+    issued first. What the issue order itself leaves unhidden (a piece can start no
+    earlier than its gradients) is the step simulation's to price (it schedules over the
+    plan's edges): the share measures only what sharing the device costs. Accelerators
+    with a communication stream hide nearly all of it; CPU ranks sharing their cores
+    with the collective's threads hide little, or less than nothing: below 0, running
+    both at once costs more than one after the other."""
     device, sync = runtime.device, runtime.handle.synchronize
     if compute is None:
         a = torch.randn(256, 256, device=device)
@@ -269,6 +275,15 @@ def measure_overlap(
     trainable = [p for p in parameters if p.requires_grad]
     pieces = OVERLAP_BUCKETS if trainable else 1
     bufs = [torch.zeros(max(1, nbytes // 4 // pieces), device=device) for _ in range(pieces)]
+    landed: list[float] = []
+
+    def compute_alone() -> None:  # when each piece's gradients were there, alone
+        landed.clear()
+        if not trainable:
+            work_load()
+            return
+        with _issued_as_gradients_land(trainable, bufs, [], landed, reduce=False):
+            work_load()
 
     def collectives() -> None:
         for buf in bufs:
@@ -291,32 +306,83 @@ def measure_overlap(
         for work in works:
             work.wait()
 
-    comm = _median_seconds(collectives, runs, sync)
-    together = _median_seconds(both, runs, sync)
-    shares = [(comm + alone - together) / max(min(comm, alone), 1e-9)]
-    for _ in range(OVERLAP_ROUNDS - 1):  # interleaved: a slow spell hits all three alike
-        apart = [_seconds(work_load, sync), _seconds(collectives, sync)]
+    for run in (compute_alone, collectives, both):  # warm-up
+        run()
+        sync()
+    shares, weights = [], []
+    for _ in range(OVERLAP_ROUNDS):  # interleaved: a slow spell hits all three alike
+        began = time.perf_counter()
+        t_compute = _seconds(compute_alone, sync)
+        offsets = [at - began for at in landed] if trainable else [0.0]
+        offsets += [t_compute] * (pieces - len(offsets))  # pieces backward did not reach
+        t_comm = _seconds(collectives, sync)
         joint = _seconds(both, sync)
-        shares.append((sum(apart) - joint) / max(min(apart), 1e-9))
-    hidden = statistics.median(shares)
+        shares.append(overlap_share(t_compute, t_comm, joint, offsets))
+        weights.append(hideable(t_compute, t_comm, offsets))
+    # each round weighed by what it could hide: where the pieces land late, little can
+    # be, and the ratio of two small differences is noise
+    hidden = weighted_median(shares, weights)
     return _mean_over_ranks(min(1.0, max(OVERLAP_FLOOR, hidden)), device)
+
+
+def overlap_share(compute_s: float, comm_s: float, both_s: float, issued: list[float]) -> float:
+    """The share of what compute could hide of ``comm_s`` that it hid, ``both_s`` being
+    the two at once with the collective's pieces issued ``issued`` seconds after the
+    compute began: against both one after the other (0) and both with nothing lost to
+    sharing the device (1: each piece at its time alone, started when issued or when
+    the one before it finished). Below 0 where both at once took longer than one after
+    the other."""
+    return (compute_s + comm_s - both_s) / max(hideable(compute_s, comm_s, issued), 1e-9)
+
+
+def hideable(compute_s: float, comm_s: float, issued: list[float]) -> float:
+    """Seconds of ``comm_s`` that compute could hide at best, its pieces issued
+    ``issued`` seconds after the compute began (see :func:`overlap_share`)."""
+    piece = comm_s / max(1, len(issued))
+    chain = 0.0
+    for at in issued:
+        chain = max(chain, at) + piece
+    return compute_s + comm_s - max(compute_s, chain)
+
+
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    """The value at half the total weight, in value order (negative weights count 0; all
+    zero: the plain median)."""
+    pairs = sorted(zip(values, (max(0.0, w) for w in weights), strict=True))
+    total = sum(w for _, w in pairs)
+    if total <= 0:
+        return statistics.median(values)
+    seen = 0.0
+    for value, weight in pairs:
+        seen += weight
+        if seen >= total / 2:
+            return value
+    return pairs[-1][0]
 
 
 @contextmanager
 def _issued_as_gradients_land(
-    parameters: list[torch.Tensor], bufs: list[torch.Tensor], works: list[dist.Work]
+    parameters: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    works: list[dist.Work],
+    landed_at: list[float] | None = None,
+    reduce: bool = True,
 ) -> Iterator[None]:
     """While inside, each of ``bufs`` is all-reduced (asynchronously, into ``works``)
-    once backward has accumulated its share of the gradients of ``parameters``."""
+    once backward has accumulated its share of the gradients of ``parameters``; the
+    moment each share was there goes into ``landed_at`` (without ``reduce``, only that)."""
     total = sum(p.numel() for p in parameters)
     landed = [0]
+    shares: list[float] = landed_at if landed_at is not None else []
 
     def landed_one(param: torch.Tensor) -> None:
         landed[0] += param.numel()
-        while len(works) < len(bufs) and landed[0] * len(bufs) >= total * (len(works) + 1):
-            work = dist.all_reduce(bufs[len(works)], async_op=True)
-            assert work is not None
-            works.append(work)
+        while len(shares) < len(bufs) and landed[0] * len(bufs) >= total * (len(shares) + 1):
+            if reduce:
+                work = dist.all_reduce(bufs[len(works)], async_op=True)
+                assert work is not None
+                works.append(work)
+            shares.append(time.perf_counter())
 
     handles = [
         p.register_post_accumulate_grad_hook(landed_one)  # type: ignore[no-untyped-call]

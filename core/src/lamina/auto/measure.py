@@ -59,6 +59,10 @@ SETTLE_CAP_S = 6.0
 SETTLE_MAX_SAMPLES = 40
 #: Elements of the flat tensor AdamW's step is timed on (at most the model's).
 OPTIMIZER_TIMED_NUMEL = 1 << 22
+#: Tensors, and elements of each, AdamW's step is timed on, plain and as DTensors, for
+#: what the DTensor dispatch adds per parameter tensor.
+DISPATCH_TIMED_TENSORS = 16
+DISPATCH_NUMEL = 8
 
 
 @dataclass(frozen=True)
@@ -266,9 +270,7 @@ def profile_model(
     optimizer_s = _optimizer_seconds(params, timed)
     dispatch_s = 0.0
     if dtensor_mesh is not None:
-        dispatch_s = max(0.0, _optimizer_seconds(params, timed, dtensor_mesh, scale=False))
-        dispatch_s = max(0.0, dispatch_s - _optimizer_seconds(params, timed, scale=False))
-        dispatch_s *= len(params) / max(1, len(_sample(params)))
+        dispatch_s = _dispatch_seconds(params, timed, dtensor_mesh)
     figures = [forward_s, whole_s, optimizer_s, float(activation_bytes), dispatch_s, low, high]
     if chain_profile is not None:
         figures += [*chain_profile.costs.blocks, chain_profile.costs.rest]
@@ -445,21 +447,46 @@ def _sample(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _optimizer_seconds(
-    params: list[torch.Tensor],
-    timed: Callable[[Callable[[], None]], float],
-    dtensor_mesh: Any = None,
-    *,
-    scale: bool = True,
+    params: list[torch.Tensor], timed: Callable[[Callable[[], None]], float]
 ) -> float:
     """Seconds of an AdamW step over ``params``: timed on copies of the largest of them
     up to :data:`OPTIMIZER_TIMED_NUMEL` elements (their own shapes: the step's speed
-    depends on them), scaled to all (``scale``); with ``dtensor_mesh``, the copies are
-    DTensors replicated on it, as a sharded strategy's parameters are DTensors."""
+    depends on them), scaled to all."""
     sample = _sample(params)
     if not sample:
         return 0.0
+    seconds = _adamw_seconds(sample, timed)
+    numel = sum(p.numel() for p in sample)
+    total = sum(p.numel() for p in params)
+    return seconds * total / numel
+
+
+def _dispatch_seconds(
+    params: list[torch.Tensor], timed: Callable[[Callable[[], None]], float], dtensor_mesh: Any
+) -> float:
+    """What AdamW's step costs more where ``params`` are DTensors on ``dtensor_mesh`` (as
+    a sharded strategy holds them): timed on :data:`DISPATCH_TIMED_TENSORS` tensors of a
+    few elements, plain and as DTensors, so that the difference is the dispatch alone
+    (on the parameters' own sizes, run-to-run noise in their arithmetic swamps it), per
+    tensor, times the count of ``params``."""
+    if not params:
+        return 0.0
+    device = params[0].device
+    tiny = [torch.zeros(DISPATCH_NUMEL, device=device) for _ in range(DISPATCH_TIMED_TENSORS)]
+    plain = _adamw_seconds(tiny, timed)
+    dtensors = _adamw_seconds(tiny, timed, dtensor_mesh)
+    return max(0.0, dtensors - plain) / len(tiny) * len(params)
+
+
+def _adamw_seconds(
+    tensors: list[torch.Tensor],
+    timed: Callable[[Callable[[], None]], float],
+    dtensor_mesh: Any = None,
+) -> float:
+    """Seconds of an AdamW step over copies of ``tensors`` (float32); with
+    ``dtensor_mesh``, DTensors replicated on it."""
     copies = []
-    for p in sample:
+    for p in tensors:
         copy = torch.zeros_like(p, dtype=torch.float32)
         if dtensor_mesh is not None:
             from torch.distributed.tensor import DTensor, Replicate
@@ -470,10 +497,7 @@ def _optimizer_seconds(
         leaf.grad = torch.full_like(leaf, 1e-3)
         copies.append(leaf)
     optimizer = torch.optim.AdamW(copies, lr=1e-4)
-    seconds = timed(optimizer.step)
-    numel = sum(p.numel() for p in sample)
-    total = sum(p.numel() for p in params)
-    return seconds * total / numel if scale else seconds
+    return timed(optimizer.step)
 
 
 def _across_ranks(
