@@ -215,6 +215,8 @@ def profile_model(
         if distributed:
             dist.barrier()
 
+    ranks = RanksTogether(device)
+
     def samples(fn: Callable[[], None], settle: bool = False) -> list[float]:
         # every run starts together and counts as long as its slowest rank took, as a
         # step's compute does (its collectives wait for the last rank): timed back to
@@ -232,7 +234,7 @@ def profile_model(
                 fn()
                 synchronize()
                 batch_times.append(time.perf_counter() - start)
-            times += _slowest_each(batch_times, device, distributed)
+            times += ranks.slowest_each(batch_times)
             if not settle or _settled(times, time.perf_counter() - began, device, distributed):
                 return times
 
@@ -327,18 +329,6 @@ def _settled(
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         worst = tensor.tolist()
     return worst[0] <= MEDIAN_WITHIN or worst[1] >= SETTLE_CAP_S or worst[2] >= SETTLE_MAX_SAMPLES
-
-
-def _slowest_each(
-    times: list[float], device: torch.device | None, distributed: bool
-) -> list[float]:
-    """Each of ``times`` (one per run, the runs started together) as the slowest rank
-    took it."""
-    if not distributed:
-        return times
-    tensor = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [float(t) for t in tensor.tolist()]
 
 
 def _quartiles(times: list[float]) -> tuple[float, float]:

@@ -89,19 +89,23 @@ class RanksTogether:
 
     def largest(self, count: int) -> int:
         """The largest count over the ranks."""
-        if not self.distributed:
-            return count
-        box = torch.tensor([count], dtype=torch.int64, device=self.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return int(box.item())
+        return int(self._largest_each([float(count)])[0])
 
     def slowest(self, seconds: float) -> float:
         """The longest time over the ranks."""
+        return self._largest_each([seconds])[0]
+
+    def slowest_each(self, times: list[float]) -> list[float]:
+        """Each of ``times`` (one per run, the runs started together) as the slowest
+        rank took it."""
+        return self._largest_each(times)
+
+    def _largest_each(self, values: list[float]) -> list[float]:
         if not self.distributed:
-            return seconds
-        box = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+            return values
+        box = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return float(box.item())
+        return [float(v) for v in box.tolist()]
 
 
 @dataclass(frozen=True)
