@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lamina.auto.comm import (
     _interleaved_means,
     _issued_as_gradients_land,
     hideable,
+    measure_overlap,
     overlap_share,
     weighted_median,
 )
@@ -100,3 +102,43 @@ def test_the_overlap_rounds_count_by_what_each_could_hide() -> None:
     weights = [0.001, 0.04, 0.04, 0.04, 0.005]
     assert weighted_median(shares, weights) == pytest.approx(0.8)
     assert weighted_median([3.0, 1.0, 2.0], [0.0, 0.0, 0.0]) == pytest.approx(2.0)
+
+
+def test_one_slow_size_sets_only_its_own_segments() -> None:
+    small, mid, large = FIT_SIZES
+    huge = 24 << 20
+    # the middle size hit a slow spell: 2.9 ms where ~0.5 ms was due
+    fit = Fit.through_all([(small, 1.1e-3), (mid, 2.9e-3), (large, 3.9e-3), (huge, 18.9e-3)])
+    assert fit.seconds(large) == pytest.approx(3.9e-3)
+    assert fit.seconds(huge) == pytest.approx(18.9e-3)
+    assert fit.seconds(48 << 20) == pytest.approx(18.9e-3 + 15e-3 / (huge - large) * (24 << 20))
+    # a larger buffer never costs less than a smaller one timed
+    dipped = Fit.through_all([(small, 1.0e-3), (mid, 3.0e-3), (large, 2.0e-3)])
+    assert dipped.seconds(large) == pytest.approx(3.0e-3)
+    assert dipped.seconds(2 * large) >= dipped.seconds(large)
+
+
+def test_the_overlap_times_the_all_reduce_a_step_would_pick(one_rank: None) -> None:
+    from types import SimpleNamespace
+
+    runtime: Any = SimpleNamespace(
+        device=torch.device("cpu"), handle=SimpleNamespace(synchronize=lambda: None)
+    )
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def step() -> None:
+        model(torch.randn(4, 16)).sum().backward()
+
+    started: list[int] = []
+
+    def other(buf: torch.Tensor) -> Any:
+        started.append(buf.numel())
+        return dist.all_reduce(buf, async_op=True)
+
+    flat = Fit(1e-4, 1e-9)
+    # the other algorithm is slower at every size: the flat one is timed
+    measure_overlap(runtime, flat, 2, step, list(model.parameters()), [(Fit(1e-3, 1e-8), other)])
+    assert started == []
+    # the other is faster (the hierarchical one across slow hosts): it is the one timed
+    measure_overlap(runtime, flat, 2, step, list(model.parameters()), [(Fit(1e-5, 1e-10), other)])
+    assert len(started) >= 8

@@ -60,6 +60,18 @@ def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str
     intra_rank = dist.get_rank(ours.lamina_sharding.group)  # type: ignore[union-attr]
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=LR)
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    engine = ours.lamina_engine  # type: ignore[union-attr]
+    # as each unit starts its reduce-scatter: how many replicas' all-reduces are in flight
+    in_flight_seen: list[int] = []
+    started = engine.scatter_started
+
+    def scatter_started(unit: Any) -> None:
+        started(unit)
+        in_flight_seen.append(
+            sum(getattr(u.reduce, "replicating", None) is not None for u in engine.units)
+        )
+
+    engine.scatter_started = scatter_started
     grad_diffs = []
     for step in range(steps):
         x, y = batch(name, step, rank)
@@ -77,8 +89,8 @@ def _compare(name: str, collectives: str, rank: int, steps: int = 5) -> dict[str
         for n in plan.collectives()
         if n.collective is not None
     }
-    engine = ours.lamina_engine  # type: ignore[union-attr]
     return {
+        "replicas_in_flight": max(in_flight_seen, default=0),
         "started_apart": differs_from_rank0(name, initial),
         "grad_diffs": grad_diffs,
         "diff": diff,
@@ -132,6 +144,9 @@ def test_hsdp_matches_ddp_after_five_steps(
         assert result["diff"] <= PARAM_TOLERANCE, result["diff"]
         assert result["strategy"] == "hsdp"
         assert result["replicas"] == {2} and result["shard_world"] == {2}
+        if name == "gpt":  # five units: the replicas' all-reduces run beside backward,
+            # later units' started while earlier ones are in flight (finished at its end)
+            assert result["replicas_in_flight"] >= 2, result["replicas_in_flight"]
 
 
 @pytest.mark.timeout(360)

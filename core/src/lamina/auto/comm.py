@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 #: ``nbytes -> run``: one call of an op on one group moving ``nbytes`` (its buffers
 #: made once, outside the call).
 Timer = Callable[[int], Callable[[], object]]
+#: ``buffer -> work``: an all-reduce of the whole job started (``wait()`` finishes it).
+AllReduceStart = Callable[[torch.Tensor], Any]
 #: The ops a candidate's step issues.
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "send")
 #: Buffer sizes (bytes) each op is timed at: a small one (what a tiny collective costs
@@ -128,14 +130,17 @@ class Fit:
 
     @classmethod
     def through_all(cls, points: list[tuple[float, float]]) -> Fit:
-        """The lines through consecutive (bytes, seconds) points, in byte order; each
-        segment starts at the point they share, never below the one before it."""
+        """The lines through consecutive (bytes, seconds) points, in byte order, each
+        point's time raised to the largest timed at a smaller size (a larger buffer never
+        costs less). Each segment is bounded by its own two points: a slow spell at one
+        size sets the slope between its neighbours, not the price of every larger size
+        (an extrapolated first line once priced 24 MiB at 31 ms where it measured 19)."""
         points = sorted(points)
-        first = cls.through(points[0], points[1])
+        raised = [(x, max(t for _, t in points[: i + 1])) for i, (x, _) in enumerate(points)]
+        first = cls.through(raised[0], raised[1])
         beyond = []
-        for (x0, t0), (x1, t1) in itertools.pairwise(points[1:]):
-            t0 = max(t0, first.seconds(x0))
-            line = cls.through((x0, t0), (x1, max(t1, t0)))
+        for (x0, t0), (x1, t1) in itertools.pairwise(raised[1:]):
+            line = cls.through((x0, t0), (x1, t1))
             beyond.append((x0, line.alpha, line.beta))
         return cls(first.alpha, first.beta, tuple(beyond))
 
@@ -201,6 +206,7 @@ class MeasuredComm:
         ordered = sorted({tuple(a for a in mesh.axis_names if a in g) for g in groups})
         points: list[tuple[str, tuple[str, ...], list[tuple[float, float]]]] = []
         group_sizes: dict[tuple[str, ...], int] = {}
+        hierarchical: AllReduceStart | None = None
         for axes in ordered:
             group, ranks = mesh.group_over(axes)
             group_sizes[axes] = len(ranks)
@@ -210,7 +216,10 @@ class MeasuredComm:
             if len(axes) == len(mesh.axis_names):
                 layout = HostLayout.of(runtime.topology)
                 if layout.host_count > 1 and layout.per_host > 1:
-                    timers["all_reduce:hierarchical"] = _hierarchical(runtime, layout)
+                    hierarchical = _hierarchical(runtime, layout)
+                    timers["all_reduce:hierarchical"] = _timer_of(
+                        hierarchical, layout.size, runtime.device
+                    )
             sync = runtime.handle.synchronize
             for op, timer in timers.items():
                 timed = _interleaved_means([timer(n) for n in sizes], runs, sync, runtime.device)
@@ -225,8 +234,11 @@ class MeasuredComm:
         whole = tuple(mesh.axis_names)
         overlap, skew = 1.0, 0.0
         if runtime.world_size > 1:
+            others = []  # the step's all-reduce may be the hierarchical one: measured too
+            if hierarchical is not None and ("all_reduce:hierarchical", whole) in fits:
+                others.append((fits["all_reduce:hierarchical", whole], hierarchical))
             overlap = measure_overlap(
-                runtime, fits.get(("all_reduce", whole)), runs, compute, parameters
+                runtime, fits.get(("all_reduce", whole)), runs, compute, parameters, others
             )
             skew = measure_skew(runtime, runs)
         return cls(fits, group_sizes, overlap, skew)
@@ -238,6 +250,7 @@ def measure_overlap(
     runs: int = FIT_RUNS,
     compute: Callable[[], None] | None = None,
     parameters: Sequence[torch.Tensor] = (),
+    others: Sequence[tuple[Fit, AllReduceStart]] = (),
 ) -> float:
     """The share of what compute could hide of a collective that it does hide:
     ``compute`` (the model's forward + backward: its autograd holds the interpreter as a
@@ -257,7 +270,10 @@ def measure_overlap(
     plan's edges): the share measures only what sharing the device costs. Accelerators
     with a communication stream hide nearly all of it; CPU ranks sharing their cores
     with the collective's threads hide little, or less than nothing: below 0, running
-    both at once costs more than one after the other."""
+    both at once costs more than one after the other. ``others``: other all-reduce
+    algorithms over the job with their fits (the hierarchical one); the one a step would
+    run at the timed size (the fastest by its fit) is the one timed, since each shares
+    the device its own way (the hierarchical one also sums inside the host)."""
     device, sync = runtime.device, runtime.handle.synchronize
     if compute is None:
         a = torch.randn(256, 256, device=device)
@@ -269,9 +285,18 @@ def measure_overlap(
         compute = products
     work_load = compute
     alone = _mean_over_ranks(_median_seconds(work_load, runs, sync), device)  # one size
-    nbytes = 4 << 20
-    if fit is not None and fit.beta > 0:  # as long as the compute: the ratio is steadiest
-        nbytes = int(min(64 << 20, max(64 << 10, (alone - fit.alpha) / fit.beta)))
+
+    def as_long_as_compute(fit: Fit | None) -> int:  # the ratio is steadiest
+        if fit is None or fit.beta <= 0:
+            return 4 << 20
+        return int(min(64 << 20, max(64 << 10, (alone - fit.alpha) / fit.beta)))
+
+    nbytes = as_long_as_compute(fit)
+    start: AllReduceStart = _flat_all_reduce
+    cheaper = [o for o in others if fit is None or o[0].seconds(nbytes) < fit.seconds(nbytes)]
+    if cheaper:  # the algorithm the step would pick at this size
+        fit, start = min(cheaper, key=lambda o: o[0].seconds(nbytes))
+        nbytes = as_long_as_compute(fit)
     trainable = [p for p in parameters if p.requires_grad]
     pieces = OVERLAP_BUCKETS if trainable else 1
     bufs = [torch.zeros(max(1, nbytes // 4 // pieces), device=device) for _ in range(pieces)]
@@ -287,22 +312,18 @@ def measure_overlap(
 
     def collectives() -> None:
         for buf in bufs:
-            dist.all_reduce(buf)
+            start(buf).wait()
 
     def both() -> None:
-        works: list[dist.Work] = []
+        works: list[Any] = []
         if not trainable:
-            work = dist.all_reduce(bufs[0], async_op=True)
-            assert work is not None
-            works.append(work)
+            works.append(start(bufs[0]))
             work_load()
         else:
-            with _issued_as_gradients_land(trainable, bufs, works):
+            with _issued_as_gradients_land(trainable, bufs, works, start=start):
                 work_load()
             while len(works) < len(bufs):  # a parameter backward did not reach
-                work = dist.all_reduce(bufs[len(works)], async_op=True)
-                assert work is not None
-                works.append(work)
+                works.append(start(bufs[len(works)]))
         for work in works:
             work.wait()
 
@@ -364,13 +385,16 @@ def weighted_median(values: list[float], weights: list[float]) -> float:
 def _issued_as_gradients_land(
     parameters: list[torch.Tensor],
     bufs: list[torch.Tensor],
-    works: list[dist.Work],
+    works: list[Any],
     landed_at: list[float] | None = None,
     reduce: bool = True,
+    start: AllReduceStart | None = None,
 ) -> Iterator[None]:
-    """While inside, each of ``bufs`` is all-reduced (asynchronously, into ``works``)
-    once backward has accumulated its share of the gradients of ``parameters``; the
-    moment each share was there goes into ``landed_at`` (without ``reduce``, only that)."""
+    """While inside, each of ``bufs`` is all-reduced (started by ``start``, default the
+    backend's own all-reduce, into ``works``) once backward has accumulated its share of
+    the gradients of ``parameters``; the moment each share was there goes into
+    ``landed_at`` (without ``reduce``, only that)."""
+    begin = start or _flat_all_reduce
     total = sum(p.numel() for p in parameters)
     landed = [0]
     shares: list[float] = landed_at if landed_at is not None else []
@@ -379,9 +403,7 @@ def _issued_as_gradients_land(
         landed[0] += param.numel()
         while len(shares) < len(bufs) and landed[0] * len(bufs) >= total * (len(shares) + 1):
             if reduce:
-                work = dist.all_reduce(bufs[len(works)], async_op=True)
-                assert work is not None
-                works.append(work)
+                works.append(begin(bufs[len(works)]))
             shares.append(time.perf_counter())
 
     handles = [
@@ -561,8 +583,23 @@ def _op_timers(
     }
 
 
-def _hierarchical(runtime: Runtime, layout: HostLayout) -> Timer:
-    """A timer of the hierarchical all-reduce over the whole job on ``layout``."""
+def _flat_all_reduce(buf: torch.Tensor) -> Any:
+    """The backend's own all-reduce of ``buf`` over the job, started."""
+    return dist.all_reduce(buf, async_op=True)
+
+
+def _timer_of(start: AllReduceStart, ranks: int, device: torch.device) -> Timer:
+    """A :data:`Timer` of the all-reduce ``start`` begins (over ``ranks`` ranks)."""
+
+    def timer(nbytes: int) -> Callable[[], object]:
+        buf = torch.zeros(max(ranks, nbytes // 4), device=device)
+        return lambda: start(buf).wait()
+
+    return timer
+
+
+def _hierarchical(runtime: Runtime, layout: HostLayout) -> AllReduceStart:
+    """The hierarchical all-reduce over the whole job on ``layout``, as it starts."""
     from lamina.comm.algorithms import AlgorithmGroups
 
     groups = AlgorithmGroups(
@@ -572,11 +609,7 @@ def _hierarchical(runtime: Runtime, layout: HostLayout) -> Timer:
         needed=("hierarchical",),
     )
 
-    def timer(nbytes: int) -> Callable[[], object]:
-        buf = torch.zeros(max(layout.size, nbytes // 4), device=runtime.device)
-        return lambda: groups.all_reduce("hierarchical", buf).wait()
-
-    return timer
+    return lambda buf: groups.all_reduce("hierarchical", buf)
 
 
 class ClusterComm:

@@ -8,9 +8,11 @@ starts asynchronously, on the communication stream where the device has one (in 
 phases, inside then across hosts, for a hierarchical unit; the codec's, where the plan
 compresses it). Finishing it waits for it and averages it (from a codec's sum, or, where
 some rank flagged it, from the exact reduce-scatter redone), averages it across the
-replicas with an all-reduce (HSDP; compressed where that is the codec's role), and gives
-each parameter some rank used its shard of the gradient; a parameter no rank used keeps
-``grad=None``, so the optimizer leaves it exactly as it is.
+replicas with an all-reduce (HSDP: started asynchronously, so that it runs beside the
+rest of backward, and finished at its end; compressed where that is the codec's role,
+then done at once), and gives each parameter some rank used its shard of the gradient;
+a parameter no rank used keeps ``grad=None``, so the optimizer leaves it exactly as it
+is.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class UnitReduce:
         self.pending_grads: torch.Tensor | None = None
         #: The trace record the codec's statistics go to (of its collective in flight).
         self.codec_trace: Any = None
+        #: HSDP: the replicas' all-reduce in flight and the shard gradient it sums.
+        self.replicating: tuple[Any, torch.Tensor] | None = None
 
     def add_gradients(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """The reduce-scatter input of ``grads`` (in parameter order; None for a parameter
@@ -106,6 +110,7 @@ class UnitReduce:
             grads, self.pending_grads = self.pending_grads, None
             self.start_scatter(grads, streams)
         self.finish_scatter(streams)
+        self.finish_replicate()
 
     def finish_scatter(self, streams: CommStreams | None) -> None:
         """Wait for the reduce-scatter in flight (if any), average (across replicas too)
@@ -122,7 +127,17 @@ class UnitReduce:
             shard_grad = self._checked_scatter(shard_grad, scattering.scatter_in, streams)
         if config.replicas > 1:  # HSDP: the same shard on every replica, averaged across them
             shard_grad.div_(config.replicas)
-            self._replicate(shard_grad)
+            if self._replicate(shard_grad):
+                return  # in flight: finish_replicate sets the gradients
+        self._set_grads(shard_grad)
+
+    def finish_replicate(self) -> None:
+        """Wait for the replicas' all-reduce in flight (if any) and set the gradients
+        from it (at the end of backward: until then it runs beside the compute)."""
+        if self.replicating is None:
+            return
+        (work, shard_grad), self.replicating = self.replicating, None
+        work.wait()
         self._set_grads(shard_grad)
 
     def _checked_scatter(
@@ -144,25 +159,33 @@ class UnitReduce:
         wait_comm(streams)
         return result().to(config.shard.dtype)
 
-    def _replicate(self, shard_grad: torch.Tensor) -> None:
-        """Sum the (pre-averaged) shard gradient across the replicas, in place."""
+    def _replicate(self, shard_grad: torch.Tensor) -> bool:
+        """Sum the (pre-averaged) shard gradient across the replicas, in place: started
+        asynchronously (True: :meth:`finish_replicate` finishes it), or, compressed,
+        done before it returns (False)."""
         config = self.config
         codec = config.codec if config.codec_role == "replicate" else None
         if codec is None:
-            with config.traced("replicate", _nbytes(shard_grad), _one_call(shard_grad)):
-                dist.all_reduce(shard_grad, group=config.replicate_group)
-            return
+            self.finish_replicate()  # one in flight per unit
+            call = _one_call(shard_grad)
+            with config.traced("replicate", _nbytes(shard_grad), call) as handle:
+                work = dist.all_reduce(shard_grad, group=config.replicate_group, async_op=True)
+                if handle is not None:
+                    handle.work = work
+            self.replicating = (work, shard_grad)
+            return True
         nbytes, wire = codec.wire("replicate", shard_grad.numel(), config.replicas)
         with config.traced("replicate", nbytes, wire) as handle:
             summed = codec.all_reduce(shard_grad, config.replicate_group)
             self.codec_trace = handle.event if handle is not None else None
         if self._codec_result(usable(summed), "replicate"):
             shard_grad.copy_(summed[: shard_grad.numel()])
-            return
+            return False
         dtype = shard_grad.dtype if codec.fallback == "fp32" else torch.bfloat16
         exact = {dtype_name(dtype): shard_grad.numel() * dtype.itemsize}
         with config.traced("replicate", sum(exact.values()), exact):
             exact_all_reduce(shard_grad, config.replicate_group, codec.fallback)
+        return False
 
     def _codec_result(self, ok: bool, role: str) -> bool:
         """Record the codec's step (residuals, trace, a fallback taken); returns ``ok``."""

@@ -79,6 +79,8 @@ class WholeStepGather:
             in_flight = unit
         if in_flight is not None:
             in_flight.reduce.finish_scatter(engine.streams)
+        for unit in engine.units:  # HSDP: the replicas' all-reduces still in flight
+            unit.reduce.finish_replicate()
 
     def end(self) -> None:
         """The sharded parameters back and the unsharded buffers dropped, without any
