@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -119,8 +120,6 @@ def test_one_slow_size_sets_only_its_own_segments() -> None:
 
 
 def test_the_overlap_times_the_all_reduce_a_step_would_pick(one_rank: None) -> None:
-    from types import SimpleNamespace
-
     runtime: Any = SimpleNamespace(
         device=torch.device("cpu"), handle=SimpleNamespace(synchronize=lambda: None)
     )

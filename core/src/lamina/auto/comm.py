@@ -136,7 +136,8 @@ class Fit:
         size sets the slope between its neighbours, not the price of every larger size
         (an extrapolated first line once priced 24 MiB at 31 ms where it measured 19)."""
         points = sorted(points)
-        raised = [(x, max(t for _, t in points[: i + 1])) for i, (x, _) in enumerate(points)]
+        highest = itertools.accumulate((t for _, t in points), max)
+        raised = [(x, t) for (x, _), t in zip(points, highest, strict=True)]
         first = cls.through(raised[0], raised[1])
         beyond = []
         for (x0, t0), (x1, t1) in itertools.pairwise(raised[1:]):
