@@ -30,10 +30,17 @@ class AutoRequest:
     """``lamina plan --auto``'s request to the script it runs (:func:`request_auto`): every
     ``lamina.distribute`` call chooses as ``"auto"`` does, whatever strategy it names (its
     ``example_inputs`` kept, its other options dropped). With ``cluster`` (a cluster file,
-    ``--simulate CLUSTER --auto``), the candidates are ranked for that declared cluster
-    and :class:`~lamina.auto.RankedOnly` is raised with the ranking instead."""
+    ``--simulate CLUSTER --auto``), the candidates are ranked for that declared cluster,
+    each priced from its plans in the folder ``cluster_plans``, and
+    :class:`~lamina.auto.RankedOnly` is raised with the ranking instead; with
+    ``planning`` too, this process stands as a rank of the cluster
+    (:func:`lamina.auto.cluster_planning.join_as_cluster_rank`): every candidate is planned
+    and written to ``cluster_plans``, and :class:`~lamina.auto.choose.CandidatesPlanned`
+    is raised."""
 
     cluster: str | None = None
+    cluster_plans: str | None = None
+    planning: bool = False
 
 
 #: What the rank runner of ``lamina plan --auto`` asked of this process (None: nothing).
@@ -106,15 +113,30 @@ def _distribute_auto(
     (:func:`apply_distribution`) and recorded as ``model.lamina_auto``; under ``lamina
     plan --auto`` (``requested``) whatever ``strategy`` names, and with a declared
     cluster :class:`~lamina.auto.RankedOnly` carries the ranking instead."""
-    from lamina.auto.choose import RankedOnly, choose, forced_options, rank_cluster
+    from lamina.auto.choose import (
+        CandidatesPlanned,
+        RankedOnly,
+        choose,
+        forced_options,
+        rank_cluster,
+    )
 
     if strategy != AUTO:  # lamina plan --auto: the script's own strategy is overridden
         options = forced_options(options)
     if requested is not None and requested.cluster is not None:
+        from lamina.auto.cluster_planning import write_candidate_plans
         from lamina.simulate import load_cluster
 
+        if requested.cluster_plans is None:
+            raise ConfigError(
+                "ranking for a declared cluster needs the folder of its candidates' plans; "
+                "run lamina plan --simulate CLUSTER --auto, which makes them"
+            )
+        if requested.planning:
+            folder = requested.cluster_plans
+            raise CandidatesPlanned(write_candidate_plans(model, runtime, options, folder))
         cluster = load_cluster(requested.cluster)
-        raise RankedOnly(rank_cluster(model, runtime, options, cluster))
+        raise RankedOnly(rank_cluster(model, runtime, options, cluster, requested.cluster_plans))
     choice = choose(model, runtime, options)
     distributed = apply_distribution(model, choice.distribution, runtime)
     distributed.__dict__["lamina_auto"] = choice

@@ -4,11 +4,12 @@
    once, and every op of every group the candidates use is timed on the job
    (:class:`~lamina.auto.comm.MeasuredComm`), or costed on a declared cluster
    (:class:`~lamina.auto.comm.ClusterComm`, ``lamina plan --simulate CLUSTER --auto``).
-2. Every candidate of the mesh (:mod:`lamina.auto.candidates`) is predicted and ranked
-   (:mod:`lamina.auto.ranking`): on the job its plan is made on a copy of the model
-   (:mod:`lamina.auto.plans`) and priced node by node (:mod:`lamina.auto.pricing`,
-   :func:`lamina.simulate.step.price_step`); the fastest that fits the device's memory
-   is chosen, or a one-line error says that none fits.
+2. Every candidate of the mesh (:mod:`lamina.auto.candidates`) is priced from its plan
+   and ranked (:mod:`lamina.auto.ranking`): its plan is made on a copy of the model
+   (:mod:`lamina.auto.plans`; for a declared cluster, by planning processes standing as
+   ranks of it, :mod:`lamina.auto.cluster_plans`) and priced node by node
+   (:mod:`lamina.auto.pricing`, :func:`lamina.simulate.step.price_step`); the fastest
+   that fits the device's memory is chosen, or a one-line error says that none fits.
 3. The ranks check that they chose alike (the pre-flight verifier, on the choice and
    every prediction).
 
@@ -28,6 +29,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,14 +47,15 @@ from lamina.auto.measure import (
     rows_of,
 )
 from lamina.auto.plans import plan_candidate
-from lamina.auto.pricing import PlanPrices
+from lamina.auto.pricing import PlanPrices, priced_with_spread
 from lamina.auto.ranking import MEMORY_MARGIN, Ranking, rank_candidates
 from lamina.errors import ConfigError
 from lamina.graph.state import preserved
-from lamina.simulate.step import PricedStep, price_step
+from lamina.simulate.step import PricedStep
 from lamina.strategies.contract import Placement, StrategyOptions
 
 if TYPE_CHECKING:
+    from lamina.auto.cluster_plans import ClusterPlans
     from lamina.session import Runtime
     from lamina.simulate.cluster import Cluster
 
@@ -168,6 +171,16 @@ class AutoChoice:
         return "+".join(self.candidate.strategies)
 
 
+class CandidatesPlanned(BaseException):
+    """Raised out of the script by a planning process of ``lamina plan --simulate CLUSTER
+    --auto`` (:func:`lamina.auto.cluster_planning.join_as_cluster_rank`): every candidate
+    was planned as this rank of the cluster and written to ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"planned the candidates into {path}")
+        self.path = path
+
+
 class RankedOnly(BaseException):
     """Raised out of the script by ``lamina plan --simulate CLUSTER --auto``: the ranking
     for the declared cluster, with nothing distributed (its mesh is not this job's)."""
@@ -232,31 +245,43 @@ def global_rows_of(opts: AutoOptions, world_size: int) -> int:
 
 
 def rank_cluster(
-    model: nn.Module, runtime: Runtime, options: Mapping[str, Any], cluster: Cluster
+    model: nn.Module,
+    runtime: Runtime,
+    options: Mapping[str, Any],
+    cluster: Cluster,
+    plans: str | Path,
 ) -> Ranking:
     """The candidates ranked for the declared ``cluster`` (its mesh, links and device
-    memory; ``model`` timed on this job's device), checked alike on every rank: what
-    ``lamina plan --simulate CLUSTER --auto`` prints (raised as :class:`RankedOnly`)."""
+    memory; ``model`` timed on this job's device; each candidate priced from the plans
+    the cluster's planning ranks wrote to the folder ``plans``,
+    :mod:`lamina.auto.cluster_plans`), checked alike on every rank: what ``lamina plan
+    --simulate CLUSTER --auto`` prints (raised as :class:`RankedOnly`)."""
+    from lamina.auto.cluster_plans import read_candidate_plans
+
     opts = AutoOptions.from_kwargs(AUTO, options)
-    ranking, _profile = rank_for(model, runtime, opts, cluster)
+    planned = read_candidate_plans(plans, cluster)
+    ranking, _profile = rank_for(model, runtime, opts, cluster, planned)
     _check_alike(runtime, ranking, opts)
     return ranking
 
 
 def rank_for(
-    model: nn.Module, runtime: Runtime, opts: AutoOptions, cluster: Cluster | None = None
+    model: nn.Module,
+    runtime: Runtime,
+    opts: AutoOptions,
+    cluster: Cluster | None = None,
+    plans: ClusterPlans | None = None,
 ) -> tuple[Ranking, ModelProfile]:
-    """Measure ``model`` and rank the candidates of the job's mesh (or ``cluster``'s)."""
+    """Measure ``model`` and rank the candidates of the job's mesh (or ``cluster``'s,
+    each priced from its ``plans`` there)."""
     inputs = opts.example_inputs
     assert inputs is not None
     batch_rows(inputs)
     comm: CommCosts
     if cluster is not None:
-        from lamina.simulate.cluster import with_mesh
+        from lamina.auto.cluster_plans import with_default_mesh
 
-        if not cluster.mesh:
-            mesh = {"inter": cluster.hosts, "intra": cluster.devices_per_host}
-            cluster = with_mesh(cluster, mesh, cluster.source)
+        cluster = with_default_mesh(cluster)
         axes = cluster.mesh
         comm = ClusterComm(cluster)
         memory = opts.device_memory or cluster.device_memory_bytes
@@ -308,21 +333,33 @@ def rank_for(
         candidates = [c for c in candidates if c.ep_degree == 1]
     world = math.prod(size for _, size in axes)
     global_rows = global_rows_of(opts, world)
-    price = None
-    if cluster is None:  # this job's mesh: each candidate planned, its plan priced
+    price: Callable[[Candidate], PricedStep]
+    if cluster is None:  # this job's mesh: each candidate planned here, its plan priced
 
         def price(candidate: Candidate) -> PricedStep:
             return price_candidate(model, candidate, runtime, opts, profile, comm, global_rows)
 
+    else:  # the cluster's: each candidate's plans as its planning ranks made them
+        from lamina.auto.cluster_plans import price_on_cluster
+
+        if plans is None:
+            raise ConfigError(
+                f"ranking for the declared cluster {cluster.source} needs its candidates' "
+                "plans; run lamina plan --simulate CLUSTER --auto, which makes them"
+            )
+        cluster_plans = plans
+
+        def price(candidate: Candidate) -> PricedStep:
+            return price_on_cluster(candidate, cluster_plans, profile, comm, global_rows)
+
     ranking = rank_candidates(
         candidates,
         profile,
-        comm,
+        price,
         device_memory=memory,
         margin=opts.memory_margin,
         where=where,
         global_rows=global_rows,
-        price=price,
     )
     return ranking, profile
 
@@ -355,11 +392,7 @@ def price_candidate(
         planned,
         tuple(runtime.mesh.axis_names),
     )
-    priced = price_step(planned.plan, prices, planned.pipeline)
-    low, high = (
-        price_step(planned.plan, replace(prices, compute_scale=end), planned.pipeline).step_s
-        for end in profile.spread
-    )
+    priced, low, high = priced_with_spread(prices, profile.spread)
     # ranks of different stages hold different plans: the step is the slowest rank's
     step, low, high = _slowest_rank(runtime, [priced.step_s, low, high])
     return replace(priced, step_s=step, interval_s=(min(low, step), max(high, step)))
@@ -508,6 +541,7 @@ __all__ = [
     "CONTEXT_MIN_TOKENS",
     "AutoChoice",
     "AutoOptions",
+    "CandidatesPlanned",
     "Distribution",
     "RankedOnly",
     "choose",

@@ -9,7 +9,9 @@ measured, for :func:`lamina.simulate.step.price_step` to simulate the step:
 - a ZeRO-3 unit's forward or backward: its share of the whole one, the measured
   seconds of its blocks (``blocks.0..blocks.3`` spans four) against the blocks' and the
   rest's together; the unit holding no block (the root) gets the rest's share;
-- a pipeline stage's: the seconds its plan gives (the cut's measured blocks);
+- a pipeline stage's: the seconds its plan gives (the cut's measured blocks), times
+  ``stage_scale`` (1 on the job; on a declared cluster the planning rank's times brought
+  to this job's measurement, :mod:`lamina.auto.cluster_plans`);
 - the optimizer: AdamW's measured step scaled to the parameters the busiest rank
   holds, plus the DTensor dispatch cost where they are DTensors;
 - every compute node times ``compute_scale``: 1 for the prediction, the measured
@@ -22,7 +24,7 @@ measured, for :func:`lamina.simulate.step.price_step` to simulate the step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from lamina.auto.comm import CommCosts
@@ -30,6 +32,7 @@ from lamina.auto.measure import ModelProfile
 from lamina.auto.plans import CandidatePlan
 from lamina.runtime.nodes import Compute
 from lamina.runtime.plan import PlanNode
+from lamina.simulate.step import PricedStep, price_step
 
 #: How ops the fits do not time are priced: as the fitted op moving the same bytes.
 PRICED_AS = {"broadcast": "all_reduce", "all_to_all": "reduce_scatter"}
@@ -46,6 +49,8 @@ class PlanPrices:
     mesh_axes: tuple[str, ...]
     #: Every compute node's measured seconds times this (an end of the measured spread).
     compute_scale: float = 1.0
+    #: A pipeline stage node's seconds (what its plan gives) times this.
+    stage_scale: float = 1.0
 
     @property
     def overlap(self) -> float:
@@ -68,7 +73,7 @@ class PlanPrices:
             share = self.planned.held_numel / max(1, p.parameters)
             return p.optimizer_s * share + (p.optimizer_dispatch_s if self.planned.dtensors else 0)
         if isinstance(detail, Compute) and detail.rank is not None and detail.seconds is not None:
-            return detail.seconds
+            return detail.seconds * self.stage_scale
         whole = p.forward_s if node.kind == "forward" else p.backward_s
         unit = detail.unit if isinstance(detail, Compute) else ""
         return whole * self.unit_share(unit) if unit else whole
@@ -114,4 +119,19 @@ class PlanPrices:
         return self.mesh_axes if axis == "world" else tuple(axis.split("+"))
 
 
-__all__ = ["PRICED_AS", "PlanPrices"]
+def priced_with_spread(
+    prices: PlanPrices, spread: tuple[float, float]
+) -> tuple[PricedStep, float, float]:
+    """The candidate's plan priced by ``prices`` (:func:`lamina.simulate.step.price_step`),
+    and its step with every compute node at each end of the measured ``spread`` (the
+    quartiles over the median)."""
+    planned = prices.planned
+    priced = price_step(planned.plan, prices, planned.pipeline)
+    low, high = (
+        price_step(planned.plan, replace(prices, compute_scale=end), planned.pipeline).step_s
+        for end in spread
+    )
+    return priced, low, high
+
+
+__all__ = ["PRICED_AS", "PlanPrices", "priced_with_spread"]

@@ -1,7 +1,9 @@
 """The ranking of the candidates and the choice: :func:`rank_candidates`.
 
-Every candidate is predicted; one that cannot run the model, or whose predicted memory
-per rank does not fit the device's memory less a margin, is rejected with the reason.
+Every candidate's step is priced from its plan and its memory per rank predicted; one
+that cannot run the model (or whose strategies refuse it while planning), or whose
+predicted memory per rank does not fit the device's memory less a margin, is rejected
+with the reason.
 The fastest candidate left is chosen, except that a candidate listed earlier (simpler:
 fewer strategies, nothing sharded, nothing lossy) predicted within
 :data:`PREFER_SIMPLER_WITHIN` of it is chosen instead: closer than that, the prediction
@@ -15,13 +17,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from lamina.auto.candidates import Candidate
-from lamina.auto.comm import CommCosts
 from lamina.auto.measure import ModelProfile
-from lamina.auto.predict import CandidatePrediction, NotApplicable, fits, predict_candidate
+from lamina.auto.predict import CandidatePrediction, NotApplicable, fits, predict_memory
 from lamina.errors import ConfigError
 from lamina.simulate.step import PricedStep
 
@@ -142,39 +143,34 @@ def render_ranking(data: dict[str, Any]) -> str:
 def rank_candidates(
     candidates: Sequence[Candidate],
     profile: ModelProfile,
-    comm: CommCosts,
+    price: Callable[[Candidate], PricedStep],
     *,
     device_memory: int | None,
     margin: float = MEMORY_MARGIN,
     where: str = "",
     global_rows: int | None = None,
-    price: Callable[[Candidate], PricedStep] | None = None,
 ) -> Ranking:
-    """Predict every candidate with ``global_rows`` rows per step (default: the
-    profile's rows on every rank) and rank them (see the module). ``price``: the step
-    of a candidate priced from its plan (:func:`lamina.simulate.step.price_step`),
-    which replaces the predicted step time and its parts; a ConfigError from it rejects
-    the candidate."""
+    """Rank ``candidates`` with ``global_rows`` rows per step (default: the profile's
+    rows on every rank; see the module). ``price``: a candidate's step priced from its
+    plan (:func:`lamina.simulate.step.price_step`); a ConfigError from it (its
+    strategies refuse the model) rejects the candidate. The memory per rank is
+    :func:`~lamina.auto.predict.predict_memory`'s."""
     entries = []
     for candidate in candidates:
         try:
-            prediction = predict_candidate(candidate, profile, comm, global_rows)
-        except NotApplicable as exc:
+            memory = predict_memory(candidate, profile, global_rows)
+            priced = price(candidate)
+        except (NotApplicable, ConfigError) as exc:
             entries.append(Ranked(candidate, None, f"not applicable: {exc}"))
             continue
-        if price is not None:
-            try:
-                priced = price(candidate)
-            except ConfigError as exc:
-                entries.append(Ranked(candidate, None, f"not applicable: {exc}"))
-                continue
-            prediction = replace(
-                prediction,
-                step_s=priced.step_s,
-                parts=dict(priced.parts),
-                collectives=priced.collectives,
-                interval_s=priced.interval_s,
-            )
+        prediction = CandidatePrediction(
+            priced.step_s,
+            memory.memory_bytes,
+            dict(priced.parts),
+            dict(memory.memory_parts),
+            priced.collectives,
+            priced.interval_s,
+        )
         if not fits(prediction, device_memory, margin):
             reason = (
                 f"needs {_gib(prediction.memory_bytes)} per rank, over "

@@ -19,7 +19,10 @@ before the first collective:
   predicted step time and memory per rank, why each rejected one was rejected) before
   the chosen plan; with ``--simulate CLUSTER.json`` the candidates are ranked for the
   declared cluster (its mesh, links and device memory; compute timed here) and nothing
-  is distributed.
+  is distributed. Each candidate is first planned at the cluster's size by planning
+  processes (:func:`plan_as_cluster_ranks`; one process each, each standing as one rank
+  of the cluster on a fake process group, no training launched) and the ranking prices
+  those plans (:mod:`lamina.auto.cluster_plans`).
 - ``lamina verify``: the ranks run the pre-flight cross-rank verification and exit; it
   prints OK or the difference.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -114,8 +118,13 @@ def plan_command(args: argparse.Namespace) -> int:
         runner = ["--stop", "plan", "--out", tmp]
         if args.auto:  # the ranks' runner asks lamina.distribute to choose
             runner.append("--auto")
-            if args.simulate is not None:
-                runner += ["--cluster", str(Path(args.simulate).resolve())]
+            if cluster is not None:
+                path = str(Path(args.simulate).resolve())
+                folder = Path(tmp) / "cluster-plans"
+                status = plan_as_cluster_ranks(args, path, cluster.world_size, folder)
+                if status != 0:
+                    return status
+                runner += ["--cluster", path, "--cluster-plans", str(folder)]
         status = _launch(args, runner, quiet_dir=Path(tmp) / "logs")
         ranked = Path(tmp) / "ranking.json"
         if args.auto and status == 0 and ranked.is_file():
@@ -166,6 +175,66 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         print(f"\n{agree}")
     return 1 if differing else 0
+
+
+def plan_as_cluster_ranks(
+    args: argparse.Namespace, cluster_path: str, world_size: int, folder: Path
+) -> int:
+    """Run the script once per planning rank of the declared cluster
+    (:func:`lamina.auto.cluster_plans.planning_ranks`), at once, each a single process
+    standing as that rank (``rank_runner --as-cluster-rank``): every candidate is planned
+    into ``folder``. 0 when all finished; else the first failure's status, its output's
+    end printed."""
+    from lamina.auto.cluster_plans import planning_ranks
+
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script!r} does not exist; pass a training script path")
+    ranks = planning_ranks(world_size)
+    print(
+        f"lamina plan: planning every candidate as rank(s) {', '.join(map(str, ranks))} of "
+        f"the {world_size}-device cluster",
+        file=sys.stderr,
+        flush=True,
+    )
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    if args.backend:
+        env[BACKEND_ENV] = args.backend
+    folder.mkdir(parents=True, exist_ok=True)
+    running = []
+    for rank in ranks:
+        log = folder / f"planning.rank{rank}.log"
+        command = [
+            sys.executable, "-m", "lamina.cli.rank_runner", "--stop", "plan",
+            "--out", str(folder), "--auto", "--cluster", cluster_path,
+            "--as-cluster-rank", str(rank), args.script, *args.script_args,
+        ]  # fmt: skip
+        with log.open("w") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        running.append((rank, process, log))
+    status = 0
+    for rank, process, log in running:
+        code = process.wait()
+        if code != 0 and status == 0:
+            status = code
+            tail = log.read_text(errors="replace")[-3000:]
+            print(
+                f"lamina plan: planning as rank {rank} of the cluster failed (exit {code}):\n"
+                f"{tail}",
+                file=sys.stderr,
+            )
+    return status
+
+
+#: What torchrun sets for its ranks: a planning process is not one of them.
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _print_ranking(

@@ -2,18 +2,22 @@
 its first collective.
 
 torchrun starts ``python -m lamina.cli.rank_runner --stop plan|verify [--out DIR]
-[--auto [--cluster CLUSTER.json]] -- SCRIPT ARGS``. The runner asks lamina to stop there
-(:func:`lamina.strategies.preflight.request_stop`), with ``--auto`` to choose the
-strategy as ``"auto"`` does whatever the script names (:func:`lamina.api.request_auto`),
-and runs SCRIPT as ``__main__``; the strategy the script wraps its model with plans, then
-raises :class:`~lamina.strategies.preflight.StopBeforeFirstCollective` (after the
-pre-flight check, for ``verify``), which this runner turns into the plan file or the
-verdict:
+[--auto [--cluster CLUSTER.json --cluster-plans PLANS]] -- SCRIPT ARGS``. The runner asks
+lamina to stop there (:func:`lamina.strategies.preflight.request_stop`), with ``--auto``
+to choose the strategy as ``"auto"`` does whatever the script names
+(:func:`lamina.api.request_auto`), and runs SCRIPT as ``__main__``; the strategy the
+script wraps its model with plans, then raises
+:class:`~lamina.strategies.preflight.StopBeforeFirstCollective` (after the pre-flight
+check, for ``verify``), which this runner turns into the plan file or the verdict:
 
 - ``plan``: rank 0 writes ``DIR/plan.json``, rank r ``DIR/plan.rank<r>.json``; exit 0;
 - ``plan`` under ``lamina plan --simulate CLUSTER --auto``: ``"auto"`` ranks its
-  candidates for the declared cluster and distributes nothing; rank 0 writes
-  ``DIR/ranking.json``; exit 0;
+  candidates for the declared cluster, each priced from its plans in ``PLANS``, and
+  distributes nothing; rank 0 writes ``DIR/ranking.json``; exit 0;
+- ``plan --as-cluster-rank R`` (one process, not under torchrun: ``lamina plan`` starts
+  one for each of :func:`lamina.auto.cluster_plans.planning_ranks`): this process stands
+  as rank R of the cluster on a fake process group, and every candidate is planned and
+  written to ``DIR/candidates.rank<R>.json``; exit 0;
 - ``verify``: rank 0 prints ``lamina verify: OK: ...``; exit 0; a difference prints one
   line per rank and exits :data:`VERIFY_FAILED_STATUS`;
 - a script that ends without planning exits :data:`NO_PLAN_STATUS`.
@@ -75,6 +79,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CLUSTER.json",
         help="with --auto: rank the candidates for this declared cluster, distribute nothing",
     )
+    parser.add_argument(
+        "--cluster-plans",
+        default=None,
+        metavar="PLANS",
+        help="with --cluster: the folder of the candidates' plans on the cluster",
+    )
+    parser.add_argument(
+        "--as-cluster-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="with --cluster: plan every candidate as rank R of it into --out, rank nothing",
+    )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
@@ -87,18 +104,29 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         _finish(2, "lamina plan: the rank runner needs --out DIR")
     if args.cluster is not None and not args.auto:
         _finish(2, "lamina plan: the rank runner takes --cluster with --auto only")
+    if (args.cluster_plans is not None or args.as_cluster_rank is not None) and not args.cluster:
+        _finish(2, "lamina plan: --cluster-plans and --as-cluster-rank go with --cluster")
+    planning = args.as_cluster_rank is not None
+    if planning:
+        from lamina.auto.cluster_planning import join_as_cluster_rank
+        from lamina.simulate import load_cluster
+
+        join_as_cluster_rank(load_cluster(args.cluster), args.as_cluster_rank)
     rank = int(os.environ.get("RANK", "0"))
     request_stop(args.stop)
     if args.auto:
         from lamina.api import AutoRequest, request_auto
 
-        request_auto(AutoRequest(cluster=args.cluster))
+        plans = args.out if planning else args.cluster_plans
+        request_auto(AutoRequest(cluster=args.cluster, cluster_plans=plans, planning=planning))
     sys.argv = [args.script, *args.script_args]
     sys.path.insert(0, str(Path(args.script).resolve().parent))
-    from lamina.auto.choose import RankedOnly
+    from lamina.auto.choose import CandidatesPlanned, RankedOnly
 
     try:
         runpy.run_path(args.script, run_name="__main__")
+    except CandidatesPlanned:
+        _finish(0)
     except RankedOnly as ranked:
         if rank == 0 and args.out:
             write_ranking(ranked.ranking.to_json(), args.out)

@@ -13,9 +13,11 @@ streams, as the engines run it:
   gradients: after the share of the backward that the buckets before it and itself
   carry (the reducer fills them in order);
 - the collectives inside a layer's forward or backward (tensor, context and expert
-  parallelism's ``activation`` collectives, a broadcast inside the step) block the
-  compute that issues them: their seconds, each with the ranks' ``skew``, are added to
-  their phase's compute nodes in proportion to those nodes' seconds;
+  parallelism's ``activation`` collectives, a broadcast inside the step), and the sends
+  of a ring inside a layer (context parallelism passing keys and values to the next
+  rank: every send that is not a pipeline's), block the compute that issues them: their
+  seconds, each with the ranks' ``skew``, are added to their phase's compute nodes in
+  proportion to those nodes' seconds;
 - a pipelined plan's stages run the schedule :func:`~lamina.simulate.pipeline.
   schedule_pipeline` simulates over the pipeline's edges (each transfer its link's time
   plus the skew); the gathers of the stage's shards come before it, the gradient
@@ -120,10 +122,23 @@ def price_step(
     pipeline a composed plan holds the stages of (default: ``plan`` itself when it has
     stage nodes)."""
     nodes = [n for n in plan.nodes if n.phase != "setup"]
+    staged = pipeline if pipeline is not None else plan
+    pipelined = any(is_stage(n) for n in staged.nodes)
+    between_stages = pipeline_axis(staged) if pipelined else None
     priced: list[PricedCollective] = []
     blocking: dict[str, float] = defaultdict(float)
     streamed: dict[str, float] = {}
     for node in nodes:
+        detail = node.detail
+        if node.kind == "send" and isinstance(detail, Transfer):
+            if detail.axis == between_stages:
+                continue  # the schedule's (:func:`_pipelined`)
+            seconds = prices.transfer(detail.nbytes, detail.axis) + prices.skew
+            blocking[node.phase] += seconds
+            priced.append(
+                PricedCollective(node.id, "send", detail.axis, detail.nbytes, seconds, True)
+            )
+            continue
         if node.collective is None:
             continue
         op = modelled_op(node)
@@ -139,9 +154,8 @@ def price_step(
                 node.id, op, node.collective.axis, node.collective.nbytes, seconds, inside
             )
         )
-    staged = pipeline if pipeline is not None else plan
     found = _Priced(priced, streamed, blocking)
-    if any(is_stage(n) for n in staged.nodes):
+    if pipelined:
         return _pipelined(staged, nodes, prices, found)
     return _scheduled(plan, nodes, prices, found)
 
