@@ -11,10 +11,19 @@ its measured one, and the auto choice's measured step against the best measured:
 - ``emulated-<link>``: 2 emulated hosts x 2 ranks joined by ``<link>`` (100, 200 and
   800 Mbit/s), the topology's ``inter`` x ``intra`` mesh (the same candidates).
 
-Two models, the same global batch for every candidate (``b`` rows per rank under data
-parallelism): the examples' GPT as ``train_gpt.py`` trains it (d 128, 4 layers, 128
-characters, ``b`` = 8) and a wider one (d 512, 4 layers, 32 characters, ``b`` = 4) whose
-gradients outweigh its arithmetic. AdamW. Needs root for the emulated settings::
+Four models, the same global batch for every candidate (``b`` rows per rank under data
+parallelism), AdamW:
+
+- ``gpt``: the examples' GPT as ``train_gpt.py`` trains it (d 128, 4 layers, 128
+  characters, ``b`` = 8);
+- ``wide``: a wider one (d 512, 4 layers, 32 characters, ``b`` = 4) whose gradients
+  outweigh its arithmetic;
+- ``long``: a narrow GPT on long sequences (d 64, 2 layers, 1024 characters, ``b`` = 1),
+  with context parallelism among the candidates (``context_min_tokens=1024``);
+- ``moe``: transformers' Mixtral, small (d 64, 2 layers of 8 experts, top-2, 32 tokens,
+  ``b`` = 4), with expert parallelism among the candidates.
+
+Needs root for the emulated settings::
 
     python benchmarks/auto_choice.py                 # every setting -> results/auto_choice.json
     python benchmarks/auto_choice.py --settings loopback2
@@ -29,11 +38,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import lamina
 from _interleaved import torchrun_command
@@ -47,17 +59,58 @@ from _gpt_model import GPT, GPTConfig, lm_loss
 
 SETTINGS = ("loopback2", "loopback4", "emulated-100mbit", "emulated-200mbit", "emulated-800mbit")
 VOCAB = 96
-#: name -> (config, rows per rank)
-MODELS: dict[str, tuple[GPTConfig, int]] = {
-    "gpt": (GPTConfig(VOCAB, 128, 128, 4, 4), 8),
-    "wide": (GPTConfig(VOCAB, 32, 512, 4, 8), 4),
+
+
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return MixtralForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A model the benchmark runs: how to build it, its sequence, rows per rank and the
+    options ``"auto"`` gets beside ``example_inputs``."""
+
+    make: Callable[[], nn.Module]
+    seq_len: int
+    rows: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+MODELS: dict[str, BenchModel] = {
+    "gpt": BenchModel(lambda: GPT(GPTConfig(VOCAB, 128, 128, 4, 4)), 128, 8),
+    "wide": BenchModel(lambda: GPT(GPTConfig(VOCAB, 32, 512, 4, 8)), 32, 4),
+    "long": BenchModel(
+        lambda: GPT(GPTConfig(VOCAB, 1024, 64, 2, 4)), 1024, 1, {"context_min_tokens": 1024}
+    ),
+    "moe": BenchModel(_mixtral, 32, 4),
 }
+#: The models a run takes by default (``long`` and ``moe``: ``--models`` them).
+DEFAULT_MODELS = ("gpt", "wide")
 SETTING_ENV = "LAMINA_AUTO_CHOICE_SETTING"
 
 
-def build(name: str) -> GPT:
+def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return GPT(MODELS[name][0])
+    return MODELS[name].make()
+
+
+def loss_of(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The next-token loss of a GPT's logits or a transformers model's output."""
+    return lm_loss(getattr(out, "logits", out), targets)
 
 
 def batch(step: int, replica: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +125,11 @@ def _rows(candidate: Candidate, per_rank: int) -> int:
 
 
 def measure_model(runtime: lamina.Runtime, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    config, per_rank = MODELS[name]
-    example = batch(0, runtime.rank, per_rank, config.seq_len)[0]
+    spec = MODELS[name]
+    per_rank = spec.rows
+    example = batch(0, runtime.rank, per_rank, spec.seq_len)[0]
     started = time.perf_counter()
-    auto = lamina.distribute(build(name), "auto", example_inputs=(example,))
+    auto = lamina.distribute(build(name), "auto", example_inputs=(example,), **spec.options)
     auto_s = time.perf_counter() - started
     choice = auto.lamina_auto  # type: ignore[union-attr]
     ranking = choice.ranking
@@ -103,13 +157,13 @@ def measure_model(runtime: lamina.Runtime, name: str, args: argparse.Namespace) 
             rows = _rows(candidate, per_rank)
             for _ in range(steps[variant]):
                 step += 1
-                x, y = batch(step, replica, rows, config.seq_len)
+                x, y = batch(step, replica, rows, spec.seq_len)
                 dist.barrier()
                 start = time.perf_counter()
                 if "pp" in candidate.strategies:
-                    model.step(x, y, lm_loss)
+                    model.step(x, y, loss_of)
                 else:
-                    lm_loss(model(x), y).backward()
+                    loss_of(model(x), y).backward()
                 optimizers[variant].step()
                 optimizers[variant].zero_grad(set_to_none=True)
                 elapsed = time.perf_counter() - start
@@ -219,7 +273,7 @@ def _launch(setting: str, args: argparse.Namespace) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", nargs="*", choices=SETTINGS, default=list(SETTINGS))
-    parser.add_argument("--models", nargs="*", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="*", choices=tuple(MODELS), default=list(DEFAULT_MODELS))
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds after warm-up")
     parser.add_argument(
         "--steps", type=int, default=3, help="most steps per variant per round (~1 s of them)"
