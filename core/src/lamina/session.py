@@ -384,7 +384,7 @@ def _build_topology(
 def _control_group(backend: Backend, launch: LaunchEnv) -> dist.ProcessGroup | None:
     """A ``control_backend`` group over all ranks, or None (use the default group)."""
     control = backend.control_backend
-    if not control or launch.world_size == 1 or dist.get_backend() == dist.Backend.FAKE:
+    if not control or launch.world_size == 1 or dist.get_backend() == "fake":
         return None  # a fake group (a planning process) has no peers to carry objects to
     group = dist.new_group(backend=control)
     if not isinstance(group, dist.ProcessGroup):

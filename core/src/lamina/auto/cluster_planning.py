@@ -5,7 +5,7 @@
 not; each candidate is planned by a planning process that stands as one rank of it
 (one process, not under torchrun: :func:`lamina.cli.plan.plan_as_cluster_ranks` starts
 one per :func:`~lamina.auto.cluster_plans.planning_ranks`): torch's fake process group
-of the cluster's world size (``Backend.FAKE``: every collective returns at once and
+of the cluster's world size (backend ``"fake"``: every collective returns at once and
 moves no data; planning issues none of the step's anyway), the cluster's devices as the
 topology (host by host), its mesh as the mesh. The strategies plan there as they would
 on that rank of the cluster (:func:`lamina.auto.plans.plan_candidate`: bucket and unit
@@ -76,9 +76,7 @@ def join_as_cluster_rank(cluster: Cluster, rank: int, backend: str | None = None
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(cluster.world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
     )
-    dist.init_process_group(
-        dist.Backend.FAKE, store=HashStore(), rank=rank, world_size=cluster.world_size
-    )
+    dist.init_process_group("fake", store=HashStore(), rank=rank, world_size=cluster.world_size)
     from lamina.plugins import get_registry
 
     device_type = get_registry().select_backend(backend).device_type
