@@ -265,6 +265,18 @@ def rank_cluster(
     return ranking
 
 
+def candidates_of(axes: tuple[tuple[str, int], ...], opts: AutoOptions) -> list[Candidate]:
+    """Every candidate of a mesh of ``axes`` that ``opts`` allows, context and expert
+    parallelism among them (the profile drops those the model has no use for)."""
+    return candidates_for(
+        axes,
+        allow_lossy=opts.allow_lossy,
+        microbatches=opts.microbatches,
+        context=True,
+        experts=True,
+    )
+
+
 def rank_for(
     model: nn.Module,
     runtime: Runtime,
@@ -289,13 +301,7 @@ def rank_for(
     else:
         axes = tuple((a, runtime.mesh.size(a)) for a in runtime.mesh.axis_names)
         memory = opts.device_memory or device_memory_bytes(runtime)
-    candidates = candidates_for(
-        axes,
-        allow_lossy=opts.allow_lossy,
-        microbatches=opts.microbatches,
-        context=True,
-        experts=True,
-    )
+    candidates = candidates_of(axes, opts)
     timed: list[MeasuredComm] = []
 
     params = list(model.parameters())
@@ -544,6 +550,7 @@ __all__ = [
     "CandidatesPlanned",
     "Distribution",
     "RankedOnly",
+    "candidates_of",
     "choose",
     "device_memory_bytes",
     "distribute_candidate",

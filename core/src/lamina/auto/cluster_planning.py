@@ -26,8 +26,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-from lamina.auto.candidates import candidates_for
-from lamina.auto.choose import AUTO, AutoOptions, distribution_for, global_rows_of
+from lamina.auto.choose import (
+    AUTO,
+    AutoOptions,
+    candidates_of,
+    distribution_for,
+    global_rows_of,
+)
 from lamina.auto.cluster_plans import PLANS_FILE, PLANS_VERSION, with_default_mesh
 from lamina.auto.plans import plan_candidate
 from lamina.device.topology import DeviceInfo, FastDomain, Topology
@@ -105,13 +110,7 @@ def write_candidate_plans(
     inputs = opts.example_inputs
     assert inputs is not None
     axes = tuple((a, runtime.mesh.size(a)) for a in runtime.mesh.axis_names)
-    candidates = candidates_for(
-        axes,
-        allow_lossy=opts.allow_lossy,
-        microbatches=opts.microbatches,
-        context=True,
-        experts=True,
-    )
+    candidates = candidates_of(axes, opts)
     rows = global_rows_of(opts, runtime.world_size)
     records: dict[str, Any] = {}
     for candidate in candidates:
