@@ -63,8 +63,7 @@ def _launch(
 ) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    if not Path(args.script).is_file():
-        raise ConfigError(f"script {args.script!r} does not exist; pass a training script path")
+    _require_script(args)
     requested = args.backend or os.environ.get(BACKEND_ENV)
     if requested:
         check_backend(requested.strip())
@@ -83,6 +82,12 @@ def _launch(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _require_script(args: argparse.Namespace) -> None:
+    """A one-line ConfigError when ``args.script`` is not a file."""
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script!r} does not exist; pass a training script path")
 
 
 def read_plans(folder: Path, nproc: int) -> list[ExecutionPlan]:
@@ -187,8 +192,7 @@ def plan_as_cluster_ranks(
     end printed."""
     from lamina.auto.cluster_plans import planning_ranks
 
-    if not Path(args.script).is_file():
-        raise ConfigError(f"script {args.script!r} does not exist; pass a training script path")
+    _require_script(args)
     ranks = planning_ranks(world_size)
     print(
         f"lamina plan: planning every candidate as rank(s) {', '.join(map(str, ranks))} of "
